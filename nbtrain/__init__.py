@@ -1,0 +1,15 @@
+"""nbtrain: interactive distributed training (DDP, FSDP) from inside a Jupyter kernel.
+
+    run = nbtrain.launch(train, devices=2, strategy="fsdp")
+    run.results, run.history
+"""
+
+from . import strategies
+from .context import Context
+from .errors import RunStoppedError, RunTimeoutError, WorkerError
+from .launch import launch
+from .run import Run
+
+__all__ = ["Context", "Run", "RunStoppedError", "RunTimeoutError", "WorkerError", "launch",
+           "strategies"]
+__version__ = "0.1.0"

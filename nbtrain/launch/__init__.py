@@ -1,0 +1,127 @@
+"""How workers start, run and end: ``launch()`` checks its arguments, picks a launcher
+(fork or spawn), starts one worker per device and hands them to a supervisor."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .. import strategies
+from ..run import Run
+from ..strategies import Strategy
+from ..telemetry.channel import TelemetryServer
+from .devices import parse_devices, threads_per_worker
+from .fork import ForkLauncher
+from .guards import choose_start_method
+from .launcher import Launcher
+from .spawn import SpawnLauncher
+from .supervisor import Supervisor
+from .worker import WorkerSpec
+
+__all__ = ["launch"]
+
+LAUNCHERS: dict[str, type[Launcher]] = {"fork": ForkLauncher, "spawn": SpawnLauncher}
+_HOST = "127.0.0.1"
+
+
+def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = "auto",
+           strategy: str | Strategy = "ddp", accelerator: str = "auto",
+           start_method: str = "auto", background: bool = False,
+           timeout: float | None = None, telemetry: bool = True, **kwargs: Any) -> Run:
+    """Run ``fn(ctx, *args, **kwargs)`` once per rank, one rank per device.
+
+    Args:
+        devices: a count, a list of GPU indices, ``"auto"`` (all GPUs; 1 process on CPU)
+            or ``-1`` (all).
+        strategy: a registered name (``nbtrain.strategies.names()``) or a Strategy,
+            e.g. ``nbtrain.strategies.get("fsdp", mixed_precision="bf16")``.
+        accelerator: ``"auto"``, ``"cuda"`` or ``"cpu"`` (gloo processes).
+        start_method: ``"auto"`` (fork when safe, else spawn with a warning), ``"fork"``
+            or ``"spawn"``.
+        background: return the ``Run`` at once instead of blocking until it ends.
+        timeout: seconds after which the run is ended and an error names the ranks still
+            running (a hang in a collective, for instance).
+        telemetry: stream ``ctx.log`` metrics to ``run.history``.
+
+    Returns the ``Run``. Blocking, a failed rank raises ``nbtrain.WorkerError`` here; an
+    interrupt (Ctrl-C, the stop button) ends every worker and raises KeyboardInterrupt.
+    """
+    if not callable(fn):
+        raise TypeError(f"launch() takes the function to run first; got {type(fn).__name__}.")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+    chosen = strategies.get(strategy)
+    plan = parse_devices(devices, accelerator)
+    chosen.check(plan)
+    method = _start_method(start_method, chosen)
+    launcher = LAUNCHERS[method]()
+    payload = launcher.prepare(fn, args, kwargs, chosen)
+    run = Run(getattr(fn, "__name__", "fn"), chosen, plan, method, timeout)
+    _start(run, launcher, payload, plan, telemetry)
+    if background:
+        return run
+    try:
+        run.wait()
+    except KeyboardInterrupt:
+        run.stop(reason="interrupted")
+        raise
+    return run
+
+
+def _start_method(requested: str, strategy: Strategy) -> str:
+    preferred = strategy.start_method
+    if preferred and requested not in ("auto", preferred):
+        raise ValueError(f"strategy {strategy.name!r} means start_method={preferred!r}, but "
+                         f"start_method={requested!r} was given. Use strategy='ddp' to choose "
+                         "the start method freely.")
+    return choose_start_method(preferred or requested)
+
+
+def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: bool) -> None:
+    import torch.distributed as dist
+
+    cleanup: list[Callable[[], None]] = []
+    handles = []
+    try:
+        server = TelemetryServer(run._on_event, host=_HOST) if telemetry else None
+        if server is not None:
+            cleanup.append(server.close)
+        pg_timeout = max(60.0, run.timeout or 0) if run.timeout else 600.0
+        # The rendezvous store lives in the kernel: port 0 gives a free port with no race,
+        # and it goes away with the run.
+        store = dist.TCPStore(_HOST, 0, plan.world_size, is_master=True,
+                              timeout=datetime.timedelta(seconds=pg_timeout),
+                              wait_for_workers=False)
+        holder = [store]
+        cleanup.append(holder.clear)
+        threads = threads_per_worker(plan.world_size)
+        for rank, index in enumerate(plan.indices):
+            spec = WorkerSpec(
+                rank=rank, local_rank=rank, world_size=plan.world_size,
+                accelerator=plan.accelerator,
+                device_index=index if plan.accelerator == "cuda" else None,
+                backend=plan.backend, store_host=_HOST, store_port=store.port,
+                telemetry_address=server.address if server else None,
+                telemetry_token=server.token if server else "",
+                num_threads=threads, pg_timeout_s=pg_timeout, parent_pid=os.getpid(),
+                die_with_parent=threading.current_thread() is threading.main_thread())
+            handles.append(launcher.start(spec, payload))
+        del store
+    except BaseException:
+        for h in handles:
+            try:
+                os.killpg(h.pid, 9)
+            except OSError:
+                pass
+            h.process.join(5)
+        for close in cleanup:
+            close()
+        raise
+    deadline = time.monotonic() + run.timeout if run.timeout else None
+    supervisor = Supervisor(handles, run._emit, deadline)
+    run._attach(supervisor, cleanup)
+    supervisor.start()

@@ -1,0 +1,139 @@
+"""Turn ``accelerator=`` and ``devices=`` into a concrete plan, with Lightning's meanings.
+
+GPUs are counted with ``torch.cuda.device_count()``, which asks NVML and does not
+initialise CUDA in the kernel (initialising it would make forking unsafe).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Accelerator = Literal["cpu", "cuda"]
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """Which accelerator and which device indices the run uses (one rank per entry)."""
+
+    accelerator: Accelerator
+    indices: tuple[int, ...]  # GPU indices on CUDA; 0..N-1 on CPU (one process each)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.indices)
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.accelerator == "cuda" else "gloo"
+
+
+def cuda_device_count() -> int:
+    """GPUs visible to this process, counted without initialising CUDA."""
+    if not torch.backends.cuda.is_built():
+        return 0
+    try:
+        return torch.cuda.device_count()
+    except Exception:  # a broken driver counts as no GPU
+        return 0
+
+
+def resolve_accelerator(accelerator: str) -> Accelerator:
+    if not isinstance(accelerator, str) or accelerator.lower() not in ACCELERATORS:
+        raise ValueError(f"accelerator={accelerator!r} is not one of {ACCELERATORS}.")
+    accelerator = accelerator.lower()
+    if accelerator == "auto":
+        return "cuda" if cuda_device_count() > 0 else "cpu"
+    if accelerator in ("cuda", "gpu"):
+        if cuda_device_count() == 0:
+            raise RuntimeError(
+                "accelerator='cuda' was asked for, but no CUDA GPU is visible to this kernel "
+                "(torch.cuda.device_count() == 0"
+                + (", and this torch build has no CUDA" if not torch.backends.cuda.is_built() else "")
+                + "). Use accelerator='cpu' to train on CPU processes with gloo.")
+        return "cuda"
+    return "cpu"
+
+
+def parse_devices(devices: int | str | list[int] | tuple[int, ...],
+                  accelerator: str = "auto") -> DevicePlan:
+    """Resolve ``devices`` for ``accelerator``.
+
+    - ``int`` N: N devices (on CPU: N processes); ``-1``: all GPUs (on CPU, one per core).
+    - ``"auto"``: all GPUs on CUDA, 1 process on CPU (Lightning's meaning).
+    - a list or ``"0,2"``: those GPU indices.
+    - a string of digits: the count.
+    """
+    acc = resolve_accelerator(accelerator)
+    available = cuda_device_count() if acc == "cuda" else (os.cpu_count() or 1)
+    what = "GPU" if acc == "cuda" else "CPU process"
+
+    if isinstance(devices, bool):
+        raise TypeError(f"devices={devices!r}: give a count (2), a list of GPU indices "
+                        "([0, 1]), 'auto' or -1, not a bool.")
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text == "auto":
+            count = available if acc == "cuda" else 1
+            return DevicePlan(acc, tuple(range(count)))
+        if "," in text:
+            try:
+                devices = [int(part) for part in text.split(",") if part.strip()]
+            except ValueError:
+                raise ValueError(f"devices={devices!r} is not a list of GPU indices like '0,1'.") from None
+        else:
+            try:
+                devices = int(text)
+            except ValueError:
+                raise ValueError(f"devices={devices!r}: give a count ('2'), indices ('0,1'), "
+                                 "'auto' or '-1'.") from None
+
+    if isinstance(devices, int):
+        if devices == -1:
+            return DevicePlan(acc, tuple(range(available)))
+        if devices == 0:
+            raise ValueError("devices=0 asks for no devices; give at least 1 (or -1 for all).")
+        if devices < 0:
+            raise ValueError(f"devices={devices} is negative; give a count >= 1, or -1 for all.")
+        if acc == "cuda" and devices > available:
+            raise ValueError(f"devices={devices} asks for {devices} GPUs, but this kernel sees "
+                             f"{available}. Use devices={available} or devices=-1, or check "
+                             "CUDA_VISIBLE_DEVICES.")
+        return DevicePlan(acc, tuple(range(devices)))
+
+    if isinstance(devices, (list, tuple)):
+        if not devices:
+            raise ValueError("devices=[] asks for no devices; list at least one GPU index.")
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in devices):
+            raise TypeError(f"devices={devices!r}: every entry must be an int GPU index.")
+        if acc == "cpu":
+            raise ValueError(f"devices={list(devices)} lists GPU indices, but the accelerator "
+                             f"is CPU. On CPU give a count: devices={len(devices)}.")
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"devices={list(devices)} names a GPU twice; one rank per GPU.")
+        bad = [i for i in devices if i < 0 or i >= available]
+        if bad:
+            raise ValueError(f"devices={list(devices)}: no {what} with index {bad[0]}; this "
+                             f"kernel sees {available} (indices 0..{available - 1}).")
+        return DevicePlan(acc, tuple(devices))
+
+    raise TypeError(f"devices={devices!r} ({type(devices).__name__}): give an int, a list of "
+                    "ints, 'auto' or -1.")
+
+
+def threads_per_worker(world_size: int) -> int | None:
+    """Torch threads per CPU worker so N workers do not oversubscribe the cores.
+
+    ``None`` when the user set ``OMP_NUM_THREADS`` (their choice wins).
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, world_size))

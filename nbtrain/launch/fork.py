@@ -1,0 +1,27 @@
+"""Fork launcher (Lightning's ``ddp_notebook`` way): workers are copies of the kernel.
+
+Fast to start (torch is already imported) and every object defined in a cell is simply
+there. Unsafe once CUDA is initialised in the kernel; ``guards`` decides.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+from .launcher import WorkerHandle, start_with_context
+from .worker import WorkerSpec
+
+
+class ForkLauncher:
+    name = "fork"
+    is_interactive_compatible = True
+
+    def __init__(self):
+        self._context = multiprocessing.get_context("fork")
+
+    def prepare(self, fn, args: tuple, kwargs: dict, strategy) -> Any:
+        return (fn, args, kwargs, strategy)
+
+    def start(self, spec: WorkerSpec, payload: Any) -> WorkerHandle:
+        return start_with_context(self._context, spec, payload)

@@ -1,0 +1,59 @@
+"""The interface every launch mechanism shares, and the handle of one started worker."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .worker import WorkerSpec
+
+
+@dataclass
+class WorkerHandle:
+    """The kernel's end of one worker: its process and the read ends of its pipes."""
+
+    rank: int
+    process: Any  # multiprocessing.Process or multiprocess.Process
+    control: Any  # Connection: result or failure
+    out: Any  # Connection wrapping the worker's stdout pipe
+    err: Any  # Connection wrapping the worker's stderr pipe
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+class Launcher(Protocol):
+    name: str
+    # Whether it can run a function defined in a notebook cell.
+    is_interactive_compatible: bool
+
+    def prepare(self, fn, args: tuple, kwargs: dict, strategy) -> Any:
+        """What each worker receives as the user's function (checked before any start)."""
+
+    def start(self, spec: WorkerSpec, payload: Any) -> WorkerHandle:
+        """Start one worker; return at once."""
+
+
+def start_with_context(mp_context, spec: WorkerSpec, payload: Any) -> WorkerHandle:
+    """Start ``worker.main`` with pipes from ``mp_context`` (a fork or a spawn context)."""
+    from . import worker
+
+    control_r, control_w = mp_context.Pipe(duplex=False)
+    out_r, out_w = mp_context.Pipe(duplex=False)
+    err_r, err_w = mp_context.Pipe(duplex=False)
+    process = mp_context.Process(target=worker.main, name=f"nbtrain-rank-{spec.rank}",
+                                 args=(spec, payload, control_w, out_w, err_w))
+    try:
+        process.start()
+    finally:
+        # The parent keeps only the read ends, so later workers do not inherit the
+        # write ends and end-of-file means this worker is gone.
+        for end in (control_w, out_w, err_w):
+            end.close()
+    try:  # the worker does the same; doing it here too closes the race
+        os.setpgid(process.pid, process.pid)
+    except OSError:
+        pass
+    return WorkerHandle(spec.rank, process, control_r, out_r, err_r)

@@ -1,0 +1,283 @@
+"""Watches the workers of one run from a kernel thread: their exits, results, failures and
+output. Fails fast: the first failure ends every other rank. Always reaps what it started.
+
+One selector waits on everything at once: each worker's exit sentinel, its control pipe
+(result or failure), its stdout and stderr pipes, and a wake-up pipe for ``stop()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import selectors
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..errors import signal_hint, signal_name
+from .launcher import WorkerHandle
+from .worker import FAILURE
+
+FAILURE_GRACE_S = 0.25  # after a first failure, wait this long for the root cause to report
+TERM_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
+DRAIN_S = 1.0  # after exits, how long to wait for the last output lines
+
+_COMM_ERROR = re.compile(r"gloo|nccl|connection (closed|reset) by peer|broken pipe|"
+                         r"DistBackendError|DistNetworkError|DistStoreError|Socket Timeout",
+                         re.IGNORECASE)
+
+
+@dataclass
+class Failure:
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str
+    t: float
+    # A communication error caused by another rank's death: not the root cause.
+    secondary: bool = False
+    hint: str = ""
+
+
+@dataclass
+class _Worker:
+    handle: WorkerHandle
+    exitcode: int | None = None
+    result: bytes | None = None
+    failure: Failure | None = None
+    control_open: bool = True
+    partial: dict[str, str] = field(default_factory=lambda: {"out": "", "err": ""})
+
+
+class Supervisor:
+    """Runs ``loop()`` in a thread; the run reads the outcome when ``done`` is set."""
+
+    def __init__(self, handles: list[WorkerHandle], emit, deadline: float | None):
+        self.workers = {h.rank: _Worker(h) for h in handles}
+        self._emit = emit  # emit(rank, "out" | "err", line)
+        self.deadline = deadline
+        self.stop_reason: str | None = None
+        self.timed_out_ranks: list[int] = []
+        self.teardown_cause: str | None = None  # "failure", "stop", "timeout"
+        self.crash: BaseException | None = None
+        self._stop_requested: str | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._sel = selectors.DefaultSelector()
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="nbtrain-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def request_stop(self, reason: str) -> None:
+        self._stop_requested = reason
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    # -- outcome -----------------------------------------------------------------------
+    @property
+    def failures(self) -> list[Failure]:
+        return sorted((w.failure for w in self.workers.values() if w.failure), key=lambda f: f.t)
+
+    def root_failure(self) -> Failure | None:
+        failures = self.failures
+        primary = [f for f in failures if not f.secondary]
+        return (primary or failures or [None])[0]
+
+    # -- the loop ----------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self._loop()
+        except BaseException as err:  # a bug here must still end the workers and the wait
+            self.crash = err
+            raise
+        finally:
+            self._cleanup()
+            self.done.set()
+
+    def _loop(self) -> None:
+        sel = self._sel
+        sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+        for w in self.workers.values():
+            h = w.handle
+            sel.register(h.process.sentinel, selectors.EVENT_READ, ("exit", w))
+            sel.register(h.control, selectors.EVENT_READ, ("control", w))
+            sel.register(h.out, selectors.EVENT_READ, ("out", w))
+            sel.register(h.err, selectors.EVENT_READ, ("err", w))
+        term_sent_at: float | None = None
+        while any(w.exitcode is None for w in self.workers.values()):
+            now = time.monotonic()
+            if self.teardown_cause is None:
+                self._maybe_start_teardown(now)
+            if self.teardown_cause is not None:
+                if term_sent_at is None:
+                    self._signal_alive(signal.SIGTERM)
+                    term_sent_at = now
+                elif now - term_sent_at > TERM_GRACE_S:
+                    self._signal_alive(signal.SIGKILL)
+            timeout = 0.05 if (self.teardown_cause or self.failures) else 0.5
+            if self.deadline is not None:
+                timeout = max(0.0, min(timeout, self.deadline - now))
+            for key, _ in sel.select(timeout):
+                self._handle(*key.data)
+        self._drain_output()
+
+    def _maybe_start_teardown(self, now: float) -> None:
+        if self._stop_requested:
+            self.teardown_cause, self.stop_reason = "stop", self._stop_requested
+        elif self.deadline is not None and now >= self.deadline:
+            self.teardown_cause = "timeout"
+            self.timed_out_ranks = [r for r, w in self.workers.items() if w.exitcode is None]
+        elif self.failures:
+            # A communication error is usually another rank's death seen from afar: wait
+            # briefly for the rank that caused it to report.
+            first = self.failures[0]
+            if not self.root_failure().secondary or now - first.t >= FAILURE_GRACE_S:
+                self.teardown_cause = "failure"
+
+    def _signal_alive(self, sig: int) -> None:
+        for w in self.workers.values():
+            if w.exitcode is None:
+                _kill_group(w.handle.pid, sig)
+
+    def _handle(self, what: str, w: _Worker | None) -> None:
+        if what == "wake":
+            with contextlib.suppress(OSError):
+                os.read(self._wake_r, 1024)
+        elif what == "control":
+            self._read_control(w)
+        elif what in ("out", "err"):
+            self._read_output(w, what)
+        elif what == "exit":
+            self._on_exit(w)
+
+    def _forget(self, fileobj) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(fileobj)
+
+    def _read_control(self, w: _Worker) -> None:
+        if not w.control_open:
+            return
+        try:
+            data = w.handle.control.recv_bytes()
+        except (EOFError, OSError):
+            self._forget(w.handle.control)
+            w.control_open = False
+            return
+        if data[:1] == FAILURE:
+            body = json.loads(data[1:])
+            text = body["type"] + ": " + body["message"] + "\n" + body["traceback"]
+            w.failure = Failure(w.handle.rank, body["type"], body["message"], body["traceback"],
+                                time.monotonic(), secondary=bool(_COMM_ERROR.search(text)))
+        else:
+            w.result = data
+
+    def _on_exit(self, w: _Worker) -> None:
+        h = w.handle
+        if w.exitcode is not None:
+            return
+        self._forget(h.process.sentinel)
+        # Until it is reaped the worker's pid (its group id) cannot be reused: end anything
+        # it started and left behind (DataLoader workers), then reap it.
+        _kill_group(h.pid, signal.SIGKILL)
+        h.process.join(timeout=5)
+        w.exitcode = h.process.exitcode if h.process.exitcode is not None else -signal.SIGKILL
+        while w.control_open and _poll(h.control):  # a report sent just before exit
+            self._read_control(w)
+        if w.failure or w.result is not None or self.teardown_cause in ("stop", "timeout"):
+            return
+        if self.teardown_cause == "failure" and w.exitcode < 0:
+            return  # we ended it
+        rank = h.rank
+        if w.exitcode < 0:
+            sig = -w.exitcode
+            w.failure = Failure(rank, signal_name(sig),
+                                f"rank {rank} was killed by {signal_name(sig)} (signal {sig}) "
+                                "without a Python traceback", "", time.monotonic(),
+                                hint=signal_hint(sig))
+        else:
+            w.failure = Failure(rank, "WorkerExit",
+                                f"rank {rank} exited with code {w.exitcode} before returning "
+                                "(os._exit() or a crash in native code?)", "",
+                                time.monotonic())
+
+    def _read_output(self, w: _Worker, stream: str) -> bool:
+        conn = w.handle.out if stream == "out" else w.handle.err
+        try:
+            data = os.read(conn.fileno(), 1 << 16)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        if not data:
+            self._forget(conn)
+            if w.partial[stream]:
+                self._emit(w.handle.rank, stream, w.partial[stream])
+                w.partial[stream] = ""
+            return False
+        text = w.partial[stream] + data.decode("utf-8", errors="replace")
+        *lines, w.partial[stream] = text.split("\n")
+        for line in lines:
+            self._emit(w.handle.rank, stream, line)
+        return True
+
+    def _drain_output(self) -> None:
+        """Read the last lines (up to end-of-file, or DRAIN_S if a grandchild holds the pipe)."""
+        pending = [(w, s) for w in self.workers.values() for s in ("out", "err")]
+        for w, s in pending:
+            conn = w.handle.out if s == "out" else w.handle.err
+            if conn.closed or conn not in {k.fileobj for k in self._sel.get_map().values()}:
+                continue
+            os.set_blocking(conn.fileno(), False)
+        end = time.monotonic() + DRAIN_S
+        while time.monotonic() < end:
+            keys = [k for k in self._sel.get_map().values() if k.data[0] in ("out", "err")]
+            if not keys:
+                break
+            for key, _ in self._sel.select(max(0.0, end - time.monotonic())):
+                if key.data[0] in ("out", "err"):
+                    self._read_output(key.data[1], key.data[0])
+                elif key.data[0] == "control":
+                    self._read_control(key.data[1])
+        for w in self.workers.values():  # whatever a partial last line held
+            for s in ("out", "err"):
+                if w.partial[s]:
+                    self._emit(w.handle.rank, s, w.partial[s])
+                    w.partial[s] = ""
+
+    def _cleanup(self) -> None:
+        for w in self.workers.values():
+            h = w.handle
+            if h.process.exitcode is None:
+                _kill_group(h.pid, signal.SIGKILL)
+                h.process.join(timeout=5)
+            for conn in (h.control, h.out, h.err):
+                with contextlib.suppress(OSError):
+                    conn.close()
+            with contextlib.suppress(Exception):
+                h.process.close()
+        self._sel.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _poll(conn) -> bool:
+    try:
+        return conn.poll()
+    except (OSError, EOFError):
+        return False
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)

@@ -1,0 +1,231 @@
+"""What runs inside each worker process, the same after fork and after spawn.
+
+The parent hands the worker a ``WorkerSpec`` (plain data), the user's function (as an
+object after fork, as dill bytes after spawn) and three pipe ends: control (result or
+error, back to the kernel), stdout and stderr.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to know, handed over explicitly at start."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    accelerator: str  # "cpu" or "cuda"
+    device_index: int | None
+    backend: str  # "gloo" or "nccl"
+    store_host: str
+    store_port: int
+    telemetry_address: tuple[str, int] | None
+    telemetry_token: str
+    num_threads: int | None  # torch threads; None: leave as the user set them
+    pg_timeout_s: float
+    parent_pid: int
+    die_with_parent: bool  # PR_SET_PDEATHSIG: launched from the main thread
+
+    def environ(self) -> dict[str, str]:
+        env = {
+            "MASTER_ADDR": self.store_host, "MASTER_PORT": str(self.store_port),
+            "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.world_size),
+            "GROUP_RANK": "0",
+        }
+        if self.num_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.num_threads)
+        return env
+
+
+# Message tags on the control pipe (worker -> kernel).
+RESULT_PICKLE = b"P"
+RESULT_DILL = b"D"
+FAILURE = b"E"
+
+
+def main(spec: WorkerSpec, payload: Any, control, out_w, err_w) -> None:
+    """Entry point of a worker process. Never returns: the process exits here."""
+    _become_worker(spec, out_w, err_w)
+    code = 0
+    try:
+        code = _run(spec, payload, control)
+    except BaseException:  # the reporting itself failed; say so on stderr
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+    os._exit(code)
+
+
+def _become_worker(spec: WorkerSpec, out_w, err_w) -> None:
+    # Own process group: an interrupt sent to the kernel's group does not reach us, and
+    # the kernel can end us together with anything we start (DataLoader workers).
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel decides what an interrupt means
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if spec.die_with_parent and sys.platform == "linux":
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+        if os.getppid() != spec.parent_pid:  # the kernel died before prctl took effect
+            os._exit(1)
+    os.dup2(out_w.fileno(), 1)
+    os.dup2(err_w.fileno(), 2)
+    out_w.close()
+    err_w.close()
+    sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, encoding="utf-8",
+                                       errors="replace", closefd=False)
+    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, encoding="utf-8",
+                                       errors="replace", closefd=False)
+
+
+def _run(spec: WorkerSpec, payload: Any, control) -> int:
+    os.environ.update(spec.environ())
+    import torch
+    import torch.distributed as dist
+
+    from ..context import Context
+    from ..telemetry.channel import TelemetryClient
+    from ..telemetry.events import Lifecycle
+
+    telemetry = None
+    ctx = None
+    try:
+        fn, args, kwargs, strategy = _load(payload)
+        if spec.num_threads is not None:
+            torch.set_num_threads(spec.num_threads)
+        if spec.accelerator == "cuda":
+            torch.cuda.set_device(spec.device_index)
+        if spec.telemetry_address is not None:
+            telemetry = TelemetryClient(spec.telemetry_address, spec.telemetry_token, spec.rank)
+        timeout = datetime.timedelta(seconds=spec.pg_timeout_s)
+        store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size,
+                              is_master=False, timeout=timeout)
+        init = dict(backend=spec.backend, store=store, rank=spec.rank,
+                    world_size=spec.world_size, timeout=timeout)
+        if spec.accelerator == "cuda":
+            init["device_id"] = torch.device("cuda", spec.device_index)
+        dist.init_process_group(**init)
+        ctx = Context(spec, strategy, telemetry)
+        if telemetry:
+            telemetry.send(Lifecycle(rank=spec.rank, step=0, t=time.monotonic(),
+                                     state="started"))
+        result = fn(ctx, *args, **kwargs)
+        ctx._flush_logs()
+        message = encode_result(result, spec.rank)
+        if telemetry:
+            telemetry.send(Lifecycle(rank=spec.rank, step=ctx.step, t=time.monotonic(),
+                                     state="finished"))
+    except BaseException as exc:
+        if ctx is not None:
+            try:
+                ctx._flush_logs()
+            except Exception:
+                pass
+        message = encode_failure(exc, spec.rank)
+        if telemetry:
+            telemetry.send(Lifecycle(rank=spec.rank, step=ctx.step if ctx else 0,
+                                     t=time.monotonic(), state="failed",
+                                     detail=f"{type(exc).__name__}: {exc}"))
+    if telemetry:
+        telemetry.close()  # every event is in the kernel before the result is
+    control.send_bytes(message)
+    if message[:1] != FAILURE and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    return 1 if message[:1] == FAILURE else 0
+
+
+def _load(payload: Any):
+    if isinstance(payload, bytes):  # spawn: the function travels by value through dill
+        import dill
+
+        return dill.loads(payload)
+    return payload
+
+
+def to_cpu(obj: Any) -> Any:
+    """Tensors anywhere inside ``obj`` (dicts, lists, tuples) moved to CPU and detached."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return type(obj)((k, to_cpu(v)) for k, v in obj.items()) if type(obj) is not dict \
+            else {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_cpu(v) for v in obj]
+    if isinstance(obj, tuple):
+        items = [to_cpu(v) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def encode_result(result: Any, rank: int) -> bytes:
+    result = to_cpu(result)
+    try:
+        return RESULT_PICKLE + pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        pass
+    import dill
+
+    try:  # cell-defined classes and the like travel by value
+        return RESULT_DILL + dill.dumps(result, recurse=True)
+    except Exception as err:
+        where = _unpicklable_part(result)
+        raise TypeError(
+            f"rank {rank} returned a value that cannot be sent back to the kernel: {where} "
+            f"({err}). Return plain data (numbers, strings, tensors, dicts and lists of "
+            "them), e.g. ctx.full_state_dict(model) instead of the model.") from None
+
+
+def _unpicklable_part(obj: Any, path: str = "the result") -> str:
+    import dill
+
+    children: list[tuple[str, Any]] = []
+    if isinstance(obj, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple)):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    for child_path, child in children:
+        try:
+            dill.dumps(child, recurse=True)
+        except Exception:
+            return _unpicklable_part(child, child_path)
+    return f"{path} of type {type(obj).__name__}"
+
+
+def encode_failure(exc: BaseException, rank: int) -> bytes:
+    import json
+
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    body = {"rank": rank, "type": type(exc).__name__, "module": type(exc).__module__,
+            "message": str(exc), "traceback": text}
+    return FAILURE + json.dumps(body).encode()

@@ -1,0 +1,225 @@
+"""``Run``: the kernel's handle on one launch — status, results, history, wait and stop."""
+
+from __future__ import annotations
+
+import atexit
+import pickle
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+from .errors import RunStoppedError, RunTimeoutError, WorkerError
+from .telemetry.events import Event, Lifecycle
+from .telemetry.history import History
+
+_ACTIVE: weakref.WeakSet[Run] = weakref.WeakSet()
+
+
+class Run:
+    """A launch of ``fn`` on ``world_size`` ranks.
+
+    ``status``: ``"starting"``, ``"running"``, ``"done"``, ``"failed"`` or ``"stopped"``.
+    """
+
+    def __init__(self, fn_name: str, strategy, plan, start_method: str,
+                 timeout: float | None):
+        self.fn_name = fn_name
+        self.strategy = strategy
+        self.accelerator = plan.accelerator
+        self.devices = plan.indices
+        self.world_size = plan.world_size
+        self.start_method = start_method
+        self.timeout = timeout
+        self.started_at = time.monotonic()
+        self.ended_at: float | None = None
+        self.history = History(self.started_at)
+        self.rank_status: dict[int, str] = dict.fromkeys(range(plan.world_size), "starting")
+        self._status = "starting"
+        self._results: list[Any] | None = None
+        self._error: BaseException | None = None
+        self._supervisor = None
+        self._cleanup: list = []  # callables run once the workers are gone
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._streams = {"out": sys.stdout, "err": sys.stderr}
+
+    # -- public ------------------------------------------------------------------------
+    @property
+    def status(self) -> str:
+        return self._status
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def elapsed(self) -> float:
+        return (self.ended_at or time.monotonic()) - self.started_at
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def results(self) -> list[Any]:
+        """One value per rank (what ``fn`` returned there; tensors on CPU)."""
+        if not self.done:
+            raise RuntimeError("the run is still going; call run.wait() first (or check "
+                               "run.done).")
+        if self._error is not None:
+            raise self._error
+        if self._results is None:
+            raise RunStoppedError("the run was stopped before every rank returned, so it has "
+                                  "no results; run.history holds what was logged.")
+        return self._results
+
+    @property
+    def result(self) -> Any:
+        """Rank 0's return value."""
+        return self.results[0]
+
+    def wait(self, timeout: float | None = None) -> list[Any] | None:
+        """Block until the run ends; return ``results`` (None if stopped) or raise its error."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done.wait(0.1):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"the run is still going after {timeout:g}s "
+                                   f"(status: {self._status}); run.stop() ends it.")
+        if self._error is not None:
+            raise self._error
+        return self._results
+
+    def stop(self, reason: str = "stopped by run.stop()", timeout: float = 10.0) -> None:
+        """End every worker now (SIGTERM, then SIGKILL) and wait until they are gone."""
+        if self.done or self._supervisor is None:
+            return
+        self._supervisor.request_stop(reason)
+        self._done.wait(timeout)
+
+    def __repr__(self) -> str:
+        where = (f"{self.world_size}×{self.accelerator}" +
+                 (f" {list(self.devices)}" if self.accelerator == "cuda" else ""))
+        return (f"<Run {self.fn_name} strategy={self.strategy.name} {where} "
+                f"start={self.start_method}: {self._status} after {self.elapsed:.1f}s>")
+
+    # -- kernel side plumbing ----------------------------------------------------------
+    def _on_event(self, event: Event) -> None:
+        self.history.append(event)
+        if isinstance(event, Lifecycle):
+            state = {"started": "running", "finished": "done", "failed": "failed"}[event.state]
+            with self._lock:
+                self.rank_status[event.rank] = state
+                if self._status == "starting" and state == "running":
+                    self._status = "running"
+
+    def _emit(self, rank: int, stream: str, line: str) -> None:
+        """One whole line of a worker's output, labelled with its rank."""
+        target = self._streams[stream]
+        try:
+            target.write(f"[rank {rank}] {line}\n")
+            target.flush()
+        except Exception:
+            pass
+
+    def _attach(self, supervisor, cleanup: list) -> None:
+        self._supervisor = supervisor
+        self._cleanup = cleanup
+        _ACTIVE.add(self)
+        # Exit hooks run last-registered first: ours must run before multiprocessing's,
+        # which would otherwise join live workers at interpreter exit and hang.
+        atexit.unregister(_stop_active_runs)
+        atexit.register(_stop_active_runs)
+        threading.Thread(target=self._finish, name="nbtrain-run", daemon=True).start()
+
+    def _finish(self) -> None:
+        sup = self._supervisor
+        sup.done.wait()
+        for close in self._cleanup:
+            try:
+                close()
+            except Exception:
+                pass
+        try:
+            self._conclude(sup)
+        except BaseException as err:  # never leave a waiter hanging
+            self._error, self._status = err, "failed"
+        self.ended_at = time.monotonic()
+        _ACTIVE.discard(self)
+        self._done.set()
+
+    def _conclude(self, sup) -> None:
+        workers = sup.workers
+        if sup.crash is not None:
+            self._status = "failed"
+            raise RuntimeError("nbtrain's supervisor failed (a bug in nbtrain; the workers were "
+                               f"ended): {type(sup.crash).__name__}: {sup.crash}") from sup.crash
+        if sup.teardown_cause == "stop":
+            self._status = "stopped"
+            for rank, w in workers.items():
+                if w.result is None:
+                    self.rank_status[rank] = "stopped"
+            return
+        if sup.teardown_cause == "timeout":
+            self._status = "failed"
+            finished = [r for r, w in workers.items() if w.result is not None]
+            for r in sup.timed_out_ranks:
+                self.rank_status[r] = "failed"
+            self._error = RunTimeoutError(self.timeout or 0, sup.timed_out_ranks, finished)
+            return
+        root = sup.root_failure()
+        if root is not None:
+            self._status = "failed"
+            others = []
+            for rank, w in sorted(workers.items()):
+                if rank == root.rank:
+                    continue
+                if w.failure is not None:
+                    others.append(f"rank {rank}: also failed with {w.failure.exc_type}: "
+                                  f"{_first_line(w.failure.message)}")
+                    self.rank_status[rank] = "failed"
+                elif w.result is not None:
+                    others.append(f"rank {rank}: had finished")
+                else:
+                    others.append(f"rank {rank}: stopped by nbtrain")
+                    self.rank_status[rank] = "stopped"
+            self.rank_status[root.rank] = "failed"
+            self._error = WorkerError(root.rank, root.exc_type, root.message,
+                                      _label(root.traceback, root.rank), others, root.hint)
+            return
+        results = []
+        for rank in range(self.world_size):
+            data = workers[rank].result
+            try:
+                results.append(pickle.loads(data[1:]) if data[:1] == b"P" else _dill_loads(data[1:]))
+            except Exception as err:
+                self._status = "failed"
+                self._error = WorkerError(rank, type(err).__name__,
+                                          f"the kernel could not rebuild rank {rank}'s return "
+                                          f"value: {err}",
+                                          hint="Return plain data (numbers, tensors, dicts).")
+                return
+            self.rank_status[rank] = "done"
+        self._results = results
+        self._status = "done"
+
+
+def _dill_loads(data: bytes) -> Any:
+    import dill
+
+    return dill.loads(data)
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
+def _label(traceback: str, rank: int) -> str:
+    return "\n".join(f"[rank {rank}] {line}" for line in traceback.rstrip().splitlines())
+
+
+def _stop_active_runs() -> None:
+    """At interpreter exit, end live runs before multiprocessing joins their processes."""
+    for run in list(_ACTIVE):
+        run.stop(reason="the interpreter is exiting", timeout=5)

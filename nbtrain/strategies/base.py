@@ -1,0 +1,87 @@
+"""What every strategy shares: its name, mixed precision, checks, and the full state dict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from ..context import Context
+    from ..launch.devices import DevicePlan
+
+Precision = Literal["bf16", "fp16"] | None
+PRECISIONS = (None, "bf16", "fp16")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Strategy:
+    """A way to wrap the model so N ranks train it together.
+
+    Subclasses fill in ``setup_module``; instances are plain data, so they cross into
+    spawned workers as they are.
+    """
+
+    name: str = ""
+    # "bf16" or "fp16": compute in half precision, keep fp32 master weights.
+    mixed_precision: Precision = None
+    # Preferred start method of an alias ("ddp_notebook" -> fork); None: no preference.
+    start_method: Literal["fork", "spawn"] | None = None
+
+    description: ClassVar[str] = ""
+    accelerators: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+
+    def __post_init__(self) -> None:
+        if self.mixed_precision not in PRECISIONS:
+            raise ValueError(f"mixed_precision={self.mixed_precision!r} is not one of "
+                             f"{PRECISIONS}.")
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return _DTYPES.get(self.mixed_precision) if self.mixed_precision else None
+
+    def check(self, plan: DevicePlan) -> None:
+        """Fail before launch when this strategy cannot run on ``plan``."""
+        if plan.accelerator not in self.accelerators:
+            raise ValueError(f"strategy {self.name!r} needs {' or '.join(self.accelerators)}, "
+                             f"but the accelerator is {plan.accelerator}.")
+
+    def setup_module(self, module: nn.Module, ctx: Context) -> nn.Module:
+        raise NotImplementedError
+
+    def grad_scaler(self, ctx: Context):
+        """A loss scaler for fp16 (bf16 needs none), or None."""
+        if self.mixed_precision != "fp16":
+            return None
+        return torch.amp.GradScaler(ctx.device.type)
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole unsharded state dict on rank 0, on CPU; ``{}`` on other ranks.
+
+        A collective: every rank must call it.
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(module, options=options)
+
+    def summary(self) -> str:
+        extras = [f"mixed_precision={self.mixed_precision}"] if self.mixed_precision else []
+        return self.name + (f" ({', '.join(extras)})" if extras else "")
+
+
+def autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Run ``module``'s forward under autocast, without wrapping it (state-dict keys stay)."""
+    forward = module.forward
+
+    def forward_in_autocast(*args, **kwargs):
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    module.forward = forward_in_autocast

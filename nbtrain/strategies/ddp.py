@@ -1,0 +1,40 @@
+"""DDP: every rank keeps the whole model; gradients are all-reduced in buckets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .base import Strategy, autocast_forward
+
+if TYPE_CHECKING:
+    from ..context import Context
+
+
+@dataclass
+class DDP(Strategy):
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    bucket_cap_mb: float | None = None
+
+    description: ClassVar[str] = (
+        "DistributedDataParallel: every rank holds the full model, gradients and optimizer "
+        "state, and gradients are averaged with all-reduce after each backward.")
+
+    def setup_module(self, module: nn.Module, ctx: Context) -> nn.Module:
+        module = module.to(ctx.device)
+        if self.compute_dtype is not None:
+            autocast_forward(module, ctx.device.type, self.compute_dtype)
+        kwargs = {}
+        if self.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = self.bucket_cap_mb
+        return DistributedDataParallel(
+            module,
+            device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            **kwargs,
+        )

@@ -1,0 +1,138 @@
+"""FSDP with torch's own ``fully_shard`` (FSDP2): parameters, gradients and optimizer
+state are sharded across ranks as DTensors.
+
+Which modules become FSDP units: the classes in ``wrap`` when given; otherwise, bottom-up,
+every submodule holding at least ``min_wrap_params`` parameters not already in a smaller
+unit (default: 1/20 of the model, so a stack of blocks gets one unit per block); then the
+root, which owns whatever is left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+from .base import Strategy
+
+if TYPE_CHECKING:
+    from ..context import Context
+    from ..launch.devices import DevicePlan
+
+
+@dataclass
+class FSDP(Strategy):
+    # True: free gathered parameters after forward and gather again for backward (ZeRO-3).
+    # False: keep them until backward (SHARD_GRAD_OP / ZeRO-2 behaviour).
+    reshard_after_forward: bool = True
+    # Module classes to make FSDP units (e.g. (TransformerBlock,)); None: size-based.
+    wrap: tuple[type[nn.Module], ...] | None = None
+    # Size threshold for the size-based rule; None: 1/20 of the model's parameters.
+    min_wrap_params: int | None = None
+    # Keep sharded parameters, gradients and optimizer state on CPU (CUDA only).
+    offload: bool = False
+    # Shard within groups of `shard_size` ranks, replicate across groups (2-D mesh).
+    hybrid: bool = False
+    shard_size: int | None = None
+
+    description: ClassVar[str] = (
+        "Fully sharded data parallel: each rank stores 1/N of the parameters, gradients and "
+        "optimizer state, and all-gathers parameters for forward and backward.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.wrap is not None:
+            self.wrap = tuple(self.wrap) if isinstance(self.wrap, (list, tuple)) else (self.wrap,)
+            bad = [w for w in self.wrap if not (isinstance(w, type) and issubclass(w, nn.Module))]
+            if bad:
+                raise TypeError(f"wrap= takes nn.Module classes; got {bad[0]!r}.")
+        if self.min_wrap_params is not None and self.min_wrap_params < 1:
+            raise ValueError(f"min_wrap_params={self.min_wrap_params} must be >= 1.")
+        if self.shard_size is not None and not self.hybrid:
+            raise ValueError("shard_size= only applies to hybrid sharding; use strategy "
+                             "'fsdp_hybrid' or hybrid=True.")
+
+    def check(self, plan: DevicePlan) -> None:
+        super().check(plan)
+        if self.offload and plan.accelerator != "cuda":
+            raise ValueError(f"strategy {self.name or 'fsdp'!r} offloads GPU memory to the CPU; "
+                             "on the CPU there is nothing to offload. Use 'fsdp' there.")
+        if self.hybrid:
+            self.mesh_shape(plan.world_size)
+
+    def mesh_shape(self, world_size: int) -> tuple[int, int]:
+        """(replicate groups, ranks per shard group) for hybrid sharding."""
+        size = self.shard_size
+        if size is None:  # the largest proper divisor: 2 -> 1, 4 -> 2, 8 -> 4, 6 -> 3
+            size = max([d for d in range(1, world_size) if world_size % d == 0] or [1])
+        if size < 1 or world_size % size:
+            raise ValueError(f"hybrid sharding needs shard_size to divide the world size: "
+                             f"{world_size} ranks / shard_size {size} = {world_size / size:g}. "
+                             f"Pick one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}.")
+        return world_size // size, size
+
+    def units(self, model: nn.Module) -> list[nn.Module]:
+        """The submodules that become FSDP units, children before parents (root excluded)."""
+        if self.wrap:
+            return [m for m in reversed(list(model.modules()))
+                    if m is not model and isinstance(m, self.wrap)]
+        total = sum(p.numel() for p in model.parameters())
+        threshold = self.min_wrap_params or max(1, total // 20)
+        units: list[nn.Module] = []
+
+        def visit(module: nn.Module) -> int:
+            count = sum(p.numel() for p in module.parameters(recurse=False))
+            for child in module.children():
+                count += visit(child)
+            if module is not model and count >= threshold:
+                units.append(module)
+                return 0
+            return count
+
+        visit(model)
+        return units
+
+    def setup_module(self, module: nn.Module, ctx: Context) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
+        if self.hybrid:
+            mesh = init_device_mesh(ctx.device.type, self.mesh_shape(ctx.world_size),
+                                    mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        dtype = self.compute_dtype
+        mp_policy = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+                     if dtype else MixedPrecisionPolicy())
+        offload = CPUOffloadPolicy() if self.offload else OffloadPolicy()
+        if not self.offload:
+            module = module.to(ctx.device)
+        options = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
+                       mp_policy=mp_policy, offload_policy=offload)
+        for unit in self.units(module):
+            fully_shard(unit, **options)
+        fully_shard(module, **options)
+        return module
+
+    def grad_scaler(self, ctx: Context):
+        if self.mixed_precision != "fp16":
+            return None
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        # Sharded gradients: whether any is inf must be agreed on by all ranks.
+        return ShardedGradScaler(ctx.device.type)
+
+    def summary(self) -> str:
+        extras = []
+        if self.mixed_precision:
+            extras.append(f"mixed_precision={self.mixed_precision}")
+        if self.wrap:
+            extras.append("wrap=" + ",".join(w.__name__ for w in self.wrap))
+        return self.name + (f" ({', '.join(extras)})" if extras else "")

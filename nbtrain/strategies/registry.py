@@ -1,0 +1,86 @@
+"""The one registry of strategy names. The dropdown, the docs and the error for an
+unknown name all read it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .base import Strategy
+from .ddp import DDP
+from .fsdp import FSDP
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    make: Callable[..., Strategy]
+    description: str
+
+
+_REGISTRY: dict[str, Entry] = {}
+
+
+def register(name: str, make: Callable[..., Strategy], description: str) -> None:
+    if name in _REGISTRY:
+        raise ValueError(f"strategy {name!r} is registered already.")
+    _REGISTRY[name] = Entry(name, make, description)
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def describe() -> dict[str, str]:
+    """``{name: one-sentence description}`` for every registered strategy."""
+    return {e.name: e.description for e in _REGISTRY.values()}
+
+
+def get(strategy: str | Strategy, **options) -> Strategy:
+    """A configured strategy from a registered name (or a ``Strategy`` as it is).
+
+    ``options`` are the strategy's fields, e.g. ``mixed_precision="bf16"`` or, for FSDP,
+    ``wrap=(Block,)``.
+    """
+    if isinstance(strategy, Strategy):
+        return dataclasses.replace(strategy, **options) if options else strategy
+    if not isinstance(strategy, str):
+        raise TypeError(f"strategy={strategy!r}: give a name from {names()} or a Strategy.")
+    entry = _REGISTRY.get(strategy.lower())
+    if entry is None:
+        raise ValueError(f"unknown strategy {strategy!r}; known strategies: {', '.join(names())}.")
+    try:
+        return entry.make(name=entry.name, **options)
+    except TypeError as err:
+        fields = [f.name for f in dataclasses.fields(entry.make(name=entry.name))
+                  if f.name not in ("name", "start_method")]
+        raise TypeError(f"strategy {entry.name!r} got an unknown option ({err}); its options "
+                        f"are: {', '.join(fields)}.") from None
+
+
+def _variant(cls: type[Strategy], **fixed) -> Callable[..., Strategy]:
+    def make(**options) -> Strategy:
+        return cls(**{**fixed, **options})
+
+    return make
+
+
+register("ddp", DDP, DDP.description)
+register("ddp_notebook", _variant(DDP, start_method="fork"),
+         "DDP started by forking the kernel: fastest to start, and sees every object "
+         "defined in the notebook.")
+register("ddp_spawn", _variant(DDP, start_method="spawn"),
+         "DDP in freshly spawned processes: safe when CUDA is already initialised in the "
+         "kernel, slower to start.")
+register("fsdp", FSDP, FSDP.description)
+register("fsdp_grad_op", _variant(FSDP, reshard_after_forward=False),
+         "FSDP that keeps gathered parameters from forward until backward (ZeRO-2 "
+         "behaviour): gradients and optimizer state sharded, less communication than full "
+         "sharding, more memory.")
+register("fsdp_hybrid", _variant(FSDP, hybrid=True),
+         "Hybrid sharding on a 2-D device mesh: shard within groups of ranks, replicate "
+         "across groups (all-reduce between replicas).")
+register("fsdp_offload", _variant(FSDP, offload=True),
+         "Full sharding with parameters, gradients and optimizer state kept in CPU memory, "
+         "moved to the GPU only when used (CUDA only).")

@@ -1,0 +1,242 @@
+"""The worker -> kernel telemetry channel: a TCP listener in the kernel, a client per rank.
+
+The same channel serves fork and spawn workers (and later workers on other hosts): the
+kernel hands each worker an address and a secret token. Frames are a 4-byte big-endian
+length and a JSON body. The first frame of a connection must carry the token; a wrong
+or missing token closes the connection. Oversized frames are skipped, malformed ones
+are dropped and counted; neither harms the run.
+
+On the worker, ``send`` only appends to a bounded buffer that a background thread
+flushes, so a slow kernel never stalls a training step; events that do not fit are
+dropped and counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import json
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+from .events import Event, decode, encode
+
+MAX_FRAME = 1 << 20  # bytes; larger frames are skipped
+_HEADER = struct.Struct(">I")
+
+
+class _Conn:
+    __slots__ = ("sock", "buf", "rank", "skip")
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.buf = bytearray()
+        self.rank: int | None = None  # set once the hello frame carried the right token
+        self.skip = 0  # bytes of an oversized frame still to discard
+
+
+class TelemetryServer:
+    """Listens on loopback (by default) and hands every well-formed event to ``on_event``."""
+
+    def __init__(self, on_event: Callable[[Event], None], host: str = "127.0.0.1"):
+        self.token = secrets.token_hex(16)
+        self._on_event = on_event
+        self._sock = socket.create_server((host, 0))
+        self._sock.setblocking(False)
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._sock, selectors.EVENT_READ, None)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._closed_ranks: set[int] = set()
+        self._cond = threading.Condition()
+        self._stop = False
+        self.refused = 0
+        self.malformed = 0
+        self.oversized = 0
+        self._thread = threading.Thread(target=self._loop, name="nbtrain-telemetry", daemon=True)
+        self._thread.start()
+
+    # -- kernel side API -------------------------------------------------------------
+    def wait_closed(self, ranks: set[int], timeout: float) -> bool:
+        """Wait until every rank in ``ranks`` closed its connection (all its events read)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not ranks <= self._closed_ranks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self) -> None:
+        if self._stop:
+            return
+        self._stop = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout=5)
+        for key in list(self._sel.get_map().values()):
+            key.fileobj.close()
+        self._sel.close()
+        self._wake_w.close()
+
+    # -- the loop --------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            for key, _ in self._sel.select(timeout=0.5):
+                if key.data == "wake":
+                    return
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._read(key.data)
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._sock.accept()
+        except OSError:
+            return
+        sock.setblocking(False)
+        self._sel.register(sock, selectors.EVENT_READ, _Conn(sock))
+
+    def _drop(self, conn: _Conn) -> None:
+        self._sel.unregister(conn.sock)
+        conn.sock.close()
+        if conn.rank is not None:
+            with self._cond:
+                self._closed_ranks.add(conn.rank)
+                self._cond.notify_all()
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+            return
+        conn.buf += data
+        while True:
+            if conn.skip:
+                n = min(conn.skip, len(conn.buf))
+                del conn.buf[:n]
+                conn.skip -= n
+                if conn.skip:
+                    return
+            if len(conn.buf) < _HEADER.size:
+                return
+            (size,) = _HEADER.unpack_from(conn.buf)
+            if size > MAX_FRAME:
+                self.oversized += 1
+                del conn.buf[:_HEADER.size]
+                conn.skip = size
+                if conn.rank is None:  # nobody authenticated sends that much first
+                    self.refused += 1
+                    self._drop(conn)
+                    return
+                continue
+            if len(conn.buf) < _HEADER.size + size:
+                return
+            frame = bytes(conn.buf[_HEADER.size:_HEADER.size + size])
+            del conn.buf[:_HEADER.size + size]
+            if conn.rank is None:
+                if not self._hello(conn, frame):
+                    self.refused += 1
+                    self._drop(conn)
+                    return
+                continue
+            event = decode(frame)
+            if event is None or event.rank != conn.rank:
+                self.malformed += 1
+                continue
+            try:
+                self._on_event(event)
+            except Exception:  # a broken sink must not end the channel
+                self.malformed += 1
+
+    def _hello(self, conn: _Conn, frame: bytes) -> bool:
+        try:
+            hello = json.loads(frame)
+            token, rank = hello["token"], hello["rank"]
+        except (ValueError, KeyError, TypeError):
+            return False
+        if not isinstance(token, str) or not isinstance(rank, int):
+            return False
+        if not hmac.compare_digest(token.encode(), self.token.encode()):
+            return False
+        conn.rank = rank
+        return True
+
+
+def frame(body: bytes) -> bytes:
+    return _HEADER.pack(len(body)) + body
+
+
+class TelemetryClient:
+    """Worker side: ``send`` never blocks; a background thread writes batches."""
+
+    def __init__(self, address: tuple[str, int], token: str, rank: int,
+                 capacity: int = 10_000, flush_interval: float = 0.05):
+        self.rank = rank
+        self.dropped = 0
+        self._buf: collections.deque[bytes] = collections.deque()
+        self._capacity = capacity
+        self._interval = flush_interval
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = False
+        self._sock = socket.create_connection(tuple(address), timeout=30)
+        self._sock.settimeout(None)
+        self._sock.sendall(frame(json.dumps({"token": token, "rank": rank}).encode()))
+        self._thread = threading.Thread(target=self._loop, name="nbtrain-telemetry-send",
+                                        daemon=True)
+        self._thread.start()
+
+    def send(self, event: Event) -> None:
+        data = frame(encode(event))
+        with self._lock:
+            if len(self._buf) >= self._capacity:
+                self.dropped += 1
+                return
+            self._buf.append(data)
+
+    def _take(self) -> bytes:
+        with self._lock:
+            chunk = b"".join(self._buf)
+            self._buf.clear()
+        return chunk
+
+    def _loop(self) -> None:
+        while True:
+            closing = self._closing
+            chunk = self._take()
+            if chunk:
+                try:
+                    self._sock.sendall(chunk)
+                except OSError:
+                    return  # the kernel is gone; the supervisor will notice
+            if closing:
+                return
+            self._wake.wait(self._interval)
+            self._wake.clear()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Flush what is buffered and close, so the kernel has every event."""
+        self._closing = True
+        self._wake.set()
+        self._thread.join(timeout)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
