@@ -84,7 +84,7 @@ def _start_method(requested: str, strategy: Strategy) -> str:
 def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: bool) -> None:
     import torch.distributed as dist
 
-    cleanup: list[Callable[[], None]] = []
+    cleanup: list[Callable[[], None]] = [launcher.close]
     handles = []
     try:
         server = TelemetryServer(run._on_event, host=_HOST) if telemetry else None

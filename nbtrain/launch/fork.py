@@ -25,3 +25,6 @@ class ForkLauncher:
 
     def start(self, spec: WorkerSpec, payload: Any) -> WorkerHandle:
         return start_with_context(self._context, spec, payload)
+
+    def close(self) -> None:
+        pass

@@ -35,6 +35,9 @@ class Launcher(Protocol):
     def start(self, spec: WorkerSpec, payload: Any) -> WorkerHandle:
         """Start one worker; return at once."""
 
+    def close(self) -> None:
+        """Release what the launcher holds, once the run's workers are gone."""
+
 
 def start_with_context(mp_context, spec: WorkerSpec, payload: Any) -> WorkerHandle:
     """Start ``worker.main`` with pipes from ``mp_context`` (a fork or a spawn context)."""

@@ -8,6 +8,7 @@ imports torch again.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from .launcher import WorkerHandle, start_with_context
@@ -18,10 +19,37 @@ class SpawnLauncher:
     name = "spawn"
     is_interactive_compatible = True
 
+    # multiprocess starts a resource-tracker process on the first spawn. When nbtrain
+    # started it, nbtrain stops it once its last spawn run is over, so the kernel keeps
+    # no helper process between runs.
+    _lock = threading.Lock()
+    _active = 0
+    _owns_tracker = False
+
     def __init__(self):
         import multiprocess
+        from multiprocess import resource_tracker
 
         self._context = multiprocess.get_context("spawn")
+        self._tracker = resource_tracker._resource_tracker
+        with SpawnLauncher._lock:
+            if SpawnLauncher._active == 0:
+                SpawnLauncher._owns_tracker = getattr(self._tracker, "_pid", 0) is None
+            SpawnLauncher._active += 1
+        self._closed = False
+
+    def close(self) -> None:
+        """Called once the run's workers are gone."""
+        with SpawnLauncher._lock:
+            if self._closed:
+                return
+            self._closed = True
+            SpawnLauncher._active -= 1
+            if SpawnLauncher._active == 0 and SpawnLauncher._owns_tracker:
+                try:
+                    self._tracker._stop()
+                except Exception:
+                    pass
 
     def prepare(self, fn, args: tuple, kwargs: dict, strategy) -> bytes:
         import dill

@@ -178,8 +178,11 @@ def to_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
-        return type(obj)((k, to_cpu(v)) for k, v in obj.items()) if type(obj) is not dict \
-            else {k: to_cpu(v) for k, v in obj.items()}
+        moved = {k: to_cpu(v) for k, v in obj.items()}
+        try:  # keep OrderedDict and friends
+            return moved if type(obj) is dict else type(obj)(moved)
+        except TypeError:
+            return moved
     if isinstance(obj, list):
         return [to_cpu(v) for v in obj]
     if isinstance(obj, tuple):
@@ -225,7 +228,10 @@ def _unpicklable_part(obj: Any, path: str = "the result") -> str:
 def encode_failure(exc: BaseException, rank: int) -> bytes:
     import json
 
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # the user's frames only, not nbtrain's bootstrap
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
     body = {"rank": rank, "type": type(exc).__name__, "module": type(exc).__module__,
             "message": str(exc), "traceback": text}
     return FAILURE + json.dumps(body).encode()

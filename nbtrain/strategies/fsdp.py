@@ -1,10 +1,10 @@
 """FSDP with torch's own ``fully_shard`` (FSDP2): parameters, gradients and optimizer
 state are sharded across ranks as DTensors.
 
-Which modules become FSDP units: the classes in ``wrap`` when given; otherwise, bottom-up,
-every submodule holding at least ``min_wrap_params`` parameters not already in a smaller
-unit (default: 1/20 of the model, so a stack of blocks gets one unit per block); then the
-root, which owns whatever is left.
+Which modules become FSDP units: the classes in ``wrap`` when given; otherwise, top-down,
+each child module holding at least ``min_wrap_params`` parameters (default: 1/20 of the
+model), looking inside ModuleLists and inside trunks that hold over a quarter of the model,
+so a stack of blocks gets one unit per block; then the root, which owns whatever is left.
 """
 
 from __future__ import annotations
@@ -78,20 +78,26 @@ class FSDP(Strategy):
         if self.wrap:
             return [m for m in reversed(list(model.modules()))
                     if m is not model and isinstance(m, self.wrap)]
-        total = sum(p.numel() for p in model.parameters())
+        total = _count(model)
         threshold = self.min_wrap_params or max(1, total // 20)
         units: list[nn.Module] = []
 
-        def visit(module: nn.Module) -> int:
-            count = sum(p.numel() for p in module.parameters(recurse=False))
-            for child in module.children():
-                count += visit(child)
-            if module is not model and count >= threshold:
-                units.append(module)
-                return 0
-            return count
+        def visit(module: nn.Module) -> None:
+            if isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # containers never run
+                for child in module.children():
+                    visit(child)
+                return
+            size = _count(module)
+            if size < threshold:
+                return
+            # A trunk holding most of the model: give its blocks their own units too.
+            if size > total // 4 and any(_count(c) >= threshold for c in module.children()):
+                for child in module.children():
+                    visit(child)
+            units.append(module)
 
-        visit(model)
+        for child in model.children():
+            visit(child)
         return units
 
     def setup_module(self, module: nn.Module, ctx: Context) -> nn.Module:
@@ -136,3 +142,7 @@ class FSDP(Strategy):
         if self.wrap:
             extras.append("wrap=" + ",".join(w.__name__ for w in self.wrap))
         return self.name + (f" ({', '.join(extras)})" if extras else "")
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

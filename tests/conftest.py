@@ -1,0 +1,81 @@
+"""Shared fixtures: a leftover-process check for every test that starts workers, and a
+real Jupyter kernel driven through jupyter_client."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+import torch
+from kernel import Kernel
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def wait_no_descendants(pid: int, timeout: float = 5.0, ignore=()) -> list[psutil.Process]:
+    """Descendants of ``pid`` still there after ``timeout`` (zombies included)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in descendants(pid) if p.pid not in ignore]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def no_leftovers():
+    """Fails the test if a process it started is still alive (or a zombie) afterwards."""
+    before = {p.pid for p in descendants(os.getpid())}
+    yield
+    left = wait_no_descendants(os.getpid(), ignore=before)
+    for p in left:  # clean up anyway, so one failure does not cascade
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"processes left behind: {[(p.pid, p.status(), _cmd(p)) for p in left]}"
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel()
+    try:
+        yield k
+    finally:
+        k.shutdown()
+
+
+@pytest.fixture
+def kernel_clean(kernel):
+    """The module's kernel, checked for leftover workers after the test."""
+    yield kernel
+    left = wait_no_descendants(kernel.pid)
+    for p in left:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"the kernel kept children: {[(p.pid, p.status()) for p in left]}"
+
+
+def _cmd(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())[:120]
+    except psutil.Error:
+        return "?"

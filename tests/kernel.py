@@ -1,0 +1,97 @@
+"""A real ipykernel, driven the way Jupyter drives it (jupyter_client), for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import time
+from dataclasses import dataclass, field
+from queue import Empty
+
+from jupyter_client import KernelManager
+
+
+@dataclass
+class Reply:
+    stdout: str = ""
+    stderr: str = ""
+    error: dict | None = None  # {"ename", "evalue", "traceback"}
+    results: list = field(default_factory=list)  # text/plain of execute_result messages
+    seconds: float = 0.0
+
+    @property
+    def ename(self) -> str | None:
+        return self.error["ename"] if self.error else None
+
+
+class Kernel:
+    def __init__(self, startup: str = "import nbtrain, torch"):
+        self.km = KernelManager(kernel_name="python3")
+        env = dict(os.environ)
+        env.pop("PYTEST_CURRENT_TEST", None)
+        self.km.start_kernel(cwd=os.path.dirname(__file__), env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+        if startup:
+            reply = self.run(startup)
+            assert reply.error is None, reply.error
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.process.pid
+
+    def submit(self, code: str) -> str:
+        return self.kc.execute(textwrap.dedent(code))
+
+    def collect(self, msg_id: str, timeout: float = 180) -> Reply:
+        reply = Reply()
+        start = time.monotonic()
+        deadline = start + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no idle from the kernel within {timeout}s; got {reply}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=left)
+            except Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                if content["name"] == "stdout":
+                    reply.stdout += content["text"]
+                else:
+                    reply.stderr += content["text"]
+            elif kind == "error":
+                reply.error = content
+            elif kind == "execute_result":
+                reply.results.append(content["data"].get("text/plain", ""))
+            elif kind == "status" and content["execution_state"] == "idle":
+                reply.seconds = time.monotonic() - start
+                return reply
+
+    def run(self, code: str, timeout: float = 180) -> Reply:
+        return self.collect(self.submit(code), timeout)
+
+    def value(self, expr: str):
+        reply = self.run(expr)
+        assert reply.error is None, reply.error
+        import ast
+
+        return ast.literal_eval(reply.results[-1])
+
+    def interrupt_group(self) -> None:
+        """What Jupyter's interrupt does: SIGINT to the kernel's whole process group."""
+        self.km.interrupt_kernel()
+
+    def interrupt_pid(self) -> None:
+        os.kill(self.pid, signal.SIGINT)
+
+    def shutdown(self) -> None:
+        try:
+            self.kc.stop_channels()
+        finally:
+            self.km.shutdown_kernel(now=True)

@@ -1,0 +1,117 @@
+import json
+import socket
+import threading
+import time
+
+from nbtrain.telemetry.channel import MAX_FRAME, TelemetryClient, TelemetryServer, frame
+from nbtrain.telemetry.events import Lifecycle, Metric, decode, encode
+
+
+class Collect:
+    def __init__(self, delay: float = 0.0):
+        self.events = []
+        self.delay = delay
+        self.lock = threading.Lock()
+
+    def __call__(self, event):
+        if self.delay:
+            time.sleep(self.delay)
+        with self.lock:
+            self.events.append(event)
+
+
+def test_events_round_trip_and_reject_junk():
+    m = Metric(rank=1, step=3, t=1.5, values={"loss": 0.25})
+    assert decode(encode(m)) == m
+    life = Lifecycle(rank=0, step=0, t=2.0, state="failed", detail="boom")
+    assert decode(encode(life)) == life
+    assert decode(b"\xff\x00") is None
+    assert decode(b'{"v": 1, "kind": "pickle", "rank": 0}') is None
+    assert decode(b'{"v": 99, "kind": "metric", "rank": 0, "step": 0, "t": 0}') is None
+    assert decode(json.dumps({"v": 1, "kind": "metric", "rank": 0, "step": 0, "t": 0,
+                              "values": {"loss": "NaN-string"}}).encode()) is None
+
+
+def test_every_event_arrives_in_order_per_rank():
+    sink = Collect()
+    server = TelemetryServer(sink)
+    try:
+        clients = [TelemetryClient(server.address, server.token, rank) for rank in (0, 1)]
+        for step in range(500):
+            for c in clients:
+                c.send(Metric(rank=c.rank, step=step, t=time.monotonic(), values={"x": step}))
+        for c in clients:
+            c.close()
+        assert server.wait_closed({0, 1}, timeout=10)
+    finally:
+        server.close()
+    for rank in (0, 1):
+        steps = [e.step for e in sink.events if e.rank == rank]
+        assert steps == list(range(500))
+
+
+def _raw(server, token, rank=0):
+    sock = socket.create_connection(server.address)
+    sock.sendall(frame(json.dumps({"token": token, "rank": rank}).encode()))
+    return sock
+
+
+def test_wrong_token_is_refused():
+    sink = Collect()
+    server = TelemetryServer(sink)
+    try:
+        sock = _raw(server, "not-the-token")
+        sock.sendall(frame(encode(Metric(rank=0, step=0, t=0.0, values={"x": 1.0}))))
+        sock.settimeout(5)
+        assert sock.recv(10) == b""  # the server hung up
+        sock.close()
+        nohello = socket.create_connection(server.address)
+        nohello.sendall(frame(b"hello?"))
+        nohello.settimeout(5)
+        assert nohello.recv(10) == b""
+        nohello.close()
+        assert server.refused == 2
+        assert sink.events == []
+    finally:
+        server.close()
+
+
+def test_garbage_and_oversized_frames_are_dropped_not_fatal():
+    sink = Collect()
+    server = TelemetryServer(sink)
+    try:
+        sock = _raw(server, server.token, rank=0)
+
+        def good(step):
+            return frame(encode(Metric(rank=0, step=step, t=0.0, values={"x": 1.0})))
+
+        sock.sendall(good(0))
+        sock.sendall(frame(b"\x80\x04garbage-that-is-not-json"))
+        sock.sendall(frame(encode(Metric(rank=5, step=1, t=0.0, values={"x": 1.0}))))  # wrong rank
+        sock.sendall(good(2))
+        sock.sendall((MAX_FRAME + 10).to_bytes(4, "big") + b"z" * (MAX_FRAME + 10))
+        sock.sendall(good(3))
+        sock.close()
+        assert server.wait_closed({0}, timeout=10)
+        assert [e.step for e in sink.events] == [0, 2, 3]
+        assert server.malformed == 2 and server.oversized == 1
+    finally:
+        server.close()
+
+
+def test_a_slow_consumer_never_blocks_the_sender():
+    sink = Collect(delay=0.01)  # 2000 events would take the consumer 20 s
+    server = TelemetryServer(sink)
+    client = TelemetryClient(server.address, server.token, 0, capacity=500)
+    try:
+        slowest = 0.0
+        for step in range(2000):
+            t = time.perf_counter()
+            client.send(Metric(rank=0, step=step, t=0.0, values={"loss": 1.0, "pad": 2.0}))
+            slowest = max(slowest, time.perf_counter() - t)
+        assert slowest < 0.05, f"a send blocked for {slowest:.3f}s"
+        assert client.dropped > 0  # the bounded buffer overflowed and counted it
+    finally:
+        client._closing = True
+        server.close()
+        client.close(timeout=1)

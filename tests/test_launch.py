@@ -1,0 +1,171 @@
+"""Real two-process runs on CPU/gloo: correctness, failures, output, results."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+import torch
+from workloads import chatty, fail_on, sleeper, train, train_single, unpicklable
+
+import nbtrain
+from nbtrain.telemetry.events import Lifecycle
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+
+@pytest.fixture(scope="module")
+def single():
+    return train_single()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_grad_op", "fsdp_hybrid"])
+def test_strategies_train_what_one_process_trains(strategy, single):
+    env_before = dict(os.environ)
+    run = nbtrain.launch(train, devices=2, accelerator="cpu", strategy=strategy)
+    assert dict(os.environ) == env_before  # nothing left in the kernel's environment
+    assert run.status == "done" and run.done
+    assert [r["rank"] for r in run.results] == [0, 1]
+    assert [r["env_rank"] for r in run.results] == ["0", "1"]
+    assert all(r["world_size"] == 2 and r["device"] == "cpu" for r in run.results)
+    full = run.result["full"]
+    assert run.results[1]["full"] == {}  # gathered on rank 0 only
+    assert set(full) == set(single)
+    for name, value in single.items():
+        torch.testing.assert_close(full[name], value, rtol=1e-4, atol=1e-5,
+                                   msg=f"{strategy}: {name} differs from 1-process training")
+    if strategy == "ddp":
+        for name, value in run.results[0]["local"].items():
+            assert torch.equal(value, run.results[1]["local"][name]), f"replicas differ at {name}"
+    # the history holds every rank's loss at every step
+    for rank in (0, 1):
+        assert [s for s, _ in run.history.metric("loss", rank)] == list(range(8))
+
+
+def test_workers_split_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    run = nbtrain.launch(train, devices=2, accelerator="cpu")
+    cores = len(os.sched_getaffinity(0))
+    assert [r["threads"] for r in run.results] == [max(1, cores // 2)] * 2
+
+
+def test_spawn_runs_a_function_defined_in_place(single):
+    # Defined here, not importable by name: under spawn it travels by value with the
+    # class and constant it uses.
+    scale = 3
+
+    class Box:
+        def __init__(self, v):
+            self.v = v
+
+    def local_train(ctx, k):
+        return Box(ctx.rank * scale + k)
+
+    run = nbtrain.launch(local_train, 10, devices=2, start_method="spawn")
+    assert run.start_method == "spawn"
+    assert [b.v for b in run.results] == [10, 13]
+
+
+def test_aliases_pick_their_start_method():
+    assert nbtrain.launch(fail_on, "none", devices=2, strategy="ddp_spawn").start_method == "spawn"
+    assert nbtrain.launch(fail_on, "none", devices=2, strategy="ddp_notebook").start_method == "fork"
+    with pytest.raises(ValueError, match="means start_method='fork'"):
+        nbtrain.launch(fail_on, "none", devices=2, strategy="ddp_notebook", start_method="spawn")
+
+
+def _failed_at(run) -> float:
+    return min(e.t for e in run.history.events("lifecycle") if isinstance(e, Lifecycle)
+               and e.state == "failed")
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_raising_rank_ends_the_run(start_method):
+    run = nbtrain.launch(fail_on, "raise", devices=2, start_method=start_method,
+                         background=True)
+    with pytest.raises(nbtrain.WorkerError) as info:
+        run.wait(timeout=60)
+    err = info.value
+    assert isinstance(err, RuntimeError)
+    assert err.rank == 1 and err.exc_type == "ValueError"
+    assert err.message == "bad batch on purpose"
+    assert "[rank 1] Traceback" in err.traceback and "fail_on" in err.traceback
+    assert "rank 0: stopped by nbtrain" in str(err)
+    assert run.status == "failed" and run.rank_status == {0: "stopped", 1: "failed"}
+    assert run.ended_at - _failed_at(run) < 2.0  # the other rank was ended promptly
+    with pytest.raises(nbtrain.WorkerError):
+        _ = run.results
+
+
+def test_a_killed_rank_names_the_signal_and_the_likely_cause():
+    t = time.monotonic()
+    with pytest.raises(nbtrain.WorkerError) as info:
+        nbtrain.launch(fail_on, "sigkill", devices=2)
+    assert time.monotonic() - t < 30
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "SIGKILL"
+    assert "out-of-memory" in str(err)
+
+
+def test_a_rank_that_exits_without_returning():
+    with pytest.raises(nbtrain.WorkerError, match="exited with code 3 before returning"):
+        nbtrain.launch(fail_on, "exit", devices=2)
+
+
+def test_a_hang_ends_at_the_timeout_naming_the_ranks():
+    t = time.monotonic()
+    with pytest.raises(nbtrain.RunTimeoutError) as info:
+        nbtrain.launch(fail_on, "hang", devices=2, timeout=3)
+    assert 3 <= time.monotonic() - t < 15
+    assert info.value.ranks == [0, 1]
+    assert "ranks still running: 0, 1" in str(info.value)
+
+
+def test_background_run_can_be_waited_on_and_stopped():
+    run = nbtrain.launch(sleeper, devices=2, background=True)
+    assert not run.done and run.status in ("starting", "running")
+    with pytest.raises(TimeoutError, match="still going"):
+        run.wait(timeout=0.5)
+    t = time.monotonic()
+    run.stop()
+    assert time.monotonic() - t < 3
+    assert run.done and run.status == "stopped"
+    with pytest.raises(nbtrain.RunStoppedError):
+        _ = run.results
+    assert run.wait() is None
+
+
+def test_output_reaches_the_kernel_labelled_and_whole(capsys):
+    run = nbtrain.launch(chatty, devices=2)
+    assert run.results == [50, 50]
+    out, err = capsys.readouterr()
+    lines = [line for line in out.splitlines() if line.startswith("[rank")]
+    pieces = [line for line in lines if "-l" in line]
+    assert len(pieces) == 100
+    for line in pieces:
+        match = re.fullmatch(r"\[rank (\d)\] r(\d)-l\d+-p0x{50}\|r\2-l\d+-p1x{50}\|"
+                             r"r\2-l\d+-p2x{50}\|r\2-l\d+-p3x{50}", line)
+        assert match and match.group(1) == match.group(2), line
+    assert "[rank 0] no newline at the end" in out
+    assert "[rank 1] to-stderr-1" in err
+
+
+def test_results_that_cannot_travel_are_named():
+    with pytest.raises(nbtrain.WorkerError, match=r"the result\['gen'\] of type generator"):
+        nbtrain.launch(unpicklable, devices=2)
+
+
+def test_bad_arguments_fail_before_anything_starts():
+    with pytest.raises(ValueError, match="devices=0"):
+        nbtrain.launch(train, devices=0)
+    with pytest.raises(ValueError, match="known strategies"):
+        nbtrain.launch(train, devices=2, strategy="zero9")
+    with pytest.raises(ValueError, match="nothing to offload"):
+        nbtrain.launch(train, devices=2, accelerator="cpu", strategy="fsdp_offload")
+    with pytest.raises(ValueError, match="timeout"):
+        nbtrain.launch(train, devices=2, timeout=-1)
+    with pytest.raises(TypeError, match="function to run"):
+        nbtrain.launch("train", devices=2)
+    with pytest.raises(TypeError, match="cannot send fail_on"):
+        nbtrain.launch(fail_on, (i for i in range(3)), devices=2, start_method="spawn")

@@ -1,0 +1,89 @@
+import pytest
+from torch import nn
+
+from nbtrain import strategies
+from nbtrain.launch.devices import DevicePlan
+from nbtrain.strategies import DDP, FSDP
+
+
+def test_registry_names_and_descriptions():
+    names = strategies.names()
+    for name in ["ddp", "ddp_notebook", "ddp_spawn", "fsdp", "fsdp_grad_op", "fsdp_hybrid",
+                 "fsdp_offload"]:
+        assert name in names
+    described = strategies.describe()
+    assert all(len(text) > 20 and text.endswith(".") for text in described.values())
+
+
+def test_unknown_name_lists_the_known_ones():
+    with pytest.raises(ValueError) as err:
+        strategies.get("zero4")
+    assert "fsdp_grad_op" in str(err.value) and "ddp" in str(err.value)
+
+
+def test_variants_and_options():
+    assert strategies.get("ddp_notebook").start_method == "fork"
+    assert strategies.get("ddp_spawn").start_method == "spawn"
+    assert strategies.get("fsdp_grad_op").reshard_after_forward is False
+    assert strategies.get("fsdp").reshard_after_forward is True
+    s = strategies.get("fsdp", mixed_precision="bf16", wrap=nn.Linear)
+    assert s.name == "fsdp" and s.mixed_precision == "bf16" and s.wrap == (nn.Linear,)
+    with pytest.raises(TypeError, match="its options are"):
+        strategies.get("ddp", reshard_after_forward=True)
+    with pytest.raises(ValueError, match="mixed_precision"):
+        strategies.get("ddp", mixed_precision="fp8")
+    with pytest.raises(TypeError, match="nn.Module classes"):
+        strategies.get("fsdp", wrap=(int,))
+    assert strategies.get(DDP(name="mine")).name == "mine"
+
+
+def test_offload_needs_cuda():
+    with pytest.raises(ValueError, match="nothing to offload"):
+        strategies.get("fsdp_offload").check(DevicePlan("cpu", (0, 1)))
+    strategies.get("fsdp_offload").check(DevicePlan("cuda", (0, 1)))
+
+
+def test_hybrid_mesh_shapes():
+    s = strategies.get("fsdp_hybrid")
+    assert s.mesh_shape(2) == (2, 1)
+    assert s.mesh_shape(4) == (2, 2)
+    assert s.mesh_shape(8) == (2, 4)
+    assert strategies.get("fsdp_hybrid", shard_size=2).mesh_shape(8) == (4, 2)
+    with pytest.raises(ValueError, match="divide the world size: 6 ranks / shard_size 4"):
+        strategies.get("fsdp_hybrid", shard_size=4).mesh_shape(6)
+    with pytest.raises(ValueError, match="only applies to hybrid"):
+        strategies.get("fsdp", shard_size=2)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ff = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        return x + self.ff(x)
+
+
+class Tiny(nn.Module):
+    def __init__(self, d=32, n=4):
+        super().__init__()
+        self.embed = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 2)
+
+
+def test_wrap_by_class_is_children_first():
+    model = Tiny()
+    units = FSDP(wrap=(Block,)).units(model)
+    assert units == list(reversed(list(model.blocks)))
+
+
+def test_default_wrap_makes_one_unit_per_block():
+    model = Tiny()
+    units = FSDP().units(model)
+    assert all(b in units for b in model.blocks)
+    assert model not in units
+    # nothing inside a wrapped block is wrapped separately at this size
+    assert not any(u in units for b in model.blocks for u in b.modules() if u is not b)
+    # a high threshold leaves everything to the root
+    assert FSDP(min_wrap_params=10**9).units(model) == []
