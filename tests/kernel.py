@@ -27,6 +27,7 @@ class Reply:
 
 class Kernel:
     def __init__(self, startup: str = "import nbtrain, torch"):
+        self._replies: dict[str, Reply] = {}
         self.km = KernelManager(kernel_name="python3")
         env = dict(os.environ)
         env.pop("PYTEST_CURRENT_TEST", None)
@@ -45,11 +46,15 @@ class Kernel:
     def submit(self, code: str) -> str:
         return self.kc.execute(textwrap.dedent(code))
 
-    def collect(self, msg_id: str, timeout: float = 180) -> Reply:
-        reply = Reply()
+    def collect(self, msg_id: str, timeout: float = 180, until: str | None = None) -> Reply:
+        """Read the cell's messages until it is idle (or, with ``until``, until its stdout
+        contains that text; call again to go on)."""
+        reply = self._replies.setdefault(msg_id, Reply())
         start = time.monotonic()
         deadline = start + timeout
         while True:
+            if until is not None and until in reply.stdout:
+                return reply
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no idle from the kernel within {timeout}s; got {reply}")
@@ -71,6 +76,9 @@ class Kernel:
                 reply.results.append(content["data"].get("text/plain", ""))
             elif kind == "status" and content["execution_state"] == "idle":
                 reply.seconds = time.monotonic() - start
+                del self._replies[msg_id]
+                if until is not None:
+                    raise AssertionError(f"the cell ended before printing {until!r}: {reply}")
                 return reply
 
     def run(self, code: str, timeout: float = 180) -> Reply:

@@ -1,0 +1,120 @@
+"""The launcher inside a real ipykernel, driven by jupyter_client as Jupyter drives it:
+its stdout is a zmq stream and an interrupt is a SIGINT to the kernel process (group)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import wait_no_descendants
+
+pytestmark = pytest.mark.kernel
+
+CELL = """
+import os, signal, time
+import torch, torch.distributed as dist
+import nbtrain
+
+SCALE = 7
+
+class Acc:
+    def __init__(self, v):
+        self.v = v
+
+def helper(x):
+    return x * SCALE
+
+def cell_fn(ctx, k):
+    t = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(t)
+    print(f"hello from rank {ctx.rank}")
+    return Acc(helper(k) + t.item())
+
+def failing(ctx):
+    dist.barrier()
+    if ctx.rank == 1:
+        raise ZeroDivisionError("rank one divides by zero")
+    dist.barrier()
+
+def sleepy(ctx):
+    print("started", flush=True)
+    while True:
+        time.sleep(0.1)
+
+handler_before = repr(signal.getsignal(signal.SIGINT))
+"""
+
+
+@pytest.fixture(scope="module")
+def k(kernel):
+    reply = kernel.run(CELL)
+    assert reply.error is None, reply.error
+    return kernel
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_cell_defined_function_runs_and_returns(k, kernel_clean, start_method):
+    reply = k.run(f"""
+        run = nbtrain.launch(cell_fn, 2, devices=2, start_method="{start_method}")
+        print("values", [r.v for r in run.results], run.start_method)
+    """)
+    assert reply.error is None, reply.error
+    assert f"values [15.0, 15.0] {start_method}" in reply.stdout  # 2*7 + (0 + 1)
+    assert "[rank 0] hello from rank 0" in reply.stdout
+    assert "[rank 1] hello from rank 1" in reply.stdout
+
+
+def test_failing_rank_raises_worker_error_in_the_cell(k, kernel_clean):
+    reply = k.run("nbtrain.launch(failing, devices=2)")
+    assert reply.ename == "WorkerError"
+    assert "rank 1 failed with ZeroDivisionError: rank one divides by zero" in reply.error["evalue"]
+    text = "\n".join(reply.error["traceback"])
+    assert "[rank 1]" in text and "failing" in text
+    assert not wait_no_descendants(k.pid, timeout=2.0)
+
+
+@pytest.mark.parametrize("how", ["group", "pid"])
+def test_interrupt_ends_every_worker_and_the_kernel_goes_on(k, kernel_clean, how):
+    msg = k.submit("nbtrain.launch(sleepy, devices=2)")
+    k.collect(msg, timeout=60, until="[rank 0] started")
+    k.collect(msg, timeout=60, until="[rank 1] started")
+    workers = [p for p in __import__("psutil").Process(k.pid).children() if p.is_running()]
+    assert len(workers) >= 2
+    t = time.monotonic()
+    k.interrupt_group() if how == "group" else k.interrupt_pid()
+    reply = k.collect(msg, timeout=30)
+    assert reply.ename == "KeyboardInterrupt"
+    assert time.monotonic() - t < 3.0
+    assert not wait_no_descendants(k.pid, timeout=0.5), "workers or zombies left"
+    # the kernel's SIGINT handler is what it was, and the next launch works
+    assert k.value("repr(signal.getsignal(signal.SIGINT)) == handler_before") is True
+    reply = k.run("print([r.v for r in nbtrain.launch(cell_fn, 1, devices=2).results])")
+    assert reply.error is None and "[8.0, 8.0]" in reply.stdout, reply
+
+
+def test_twenty_launches_in_a_row_leave_nothing_behind(k, kernel_clean):
+    reply = k.run("""
+        import gc, psutil
+        me = psutil.Process()
+        def snapshot():
+            gc.collect()
+            conns = [c for c in me.net_connections(kind="inet")]
+            return {"threads": me.num_threads(), "fds": me.num_fds(),
+                    "listening": len([c for c in conns if c.status == "LISTEN"]),
+                    "connections": len(conns), "children": len(me.children(recursive=True))}
+        env_before = dict(os.environ)
+        nbtrain.launch(cell_fn, 0, devices=2)  # warm up: anything created once is not a leak
+        time.sleep(0.2)
+        before = snapshot()
+        values = [nbtrain.launch(cell_fn, i, devices=2).results[0].v for i in range(20)]
+        time.sleep(0.2)
+        after = snapshot()
+        print("ok", values == [7.0 * i + 1 for i in range(20)])
+        grew = {k: (before[k], after[k]) for k in before if after[k] > before[k]}
+        print("grew", grew if grew else "nothing", before, after)
+        print("env", dict(os.environ) == env_before)
+    """, timeout=300)
+    assert reply.error is None, reply.error
+    assert "ok True" in reply.stdout
+    assert "grew nothing" in reply.stdout, reply.stdout
+    assert "env True" in reply.stdout
