@@ -9,7 +9,8 @@ from .context import Context
 from .errors import RunStoppedError, RunTimeoutError, WorkerError
 from .launch import launch
 from .run import Run
+from .telemetry.options import Telemetry
 
-__all__ = ["Context", "Run", "RunStoppedError", "RunTimeoutError", "WorkerError", "launch",
-           "strategies"]
+__all__ = ["Context", "Run", "RunStoppedError", "RunTimeoutError", "Telemetry", "WorkerError",
+           "launch", "strategies"]
 __version__ = "0.1.0"

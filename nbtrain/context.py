@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from .telemetry.events import Metric
+from .telemetry.recorder import Recorder
 
 if TYPE_CHECKING:
     from .launch.worker import WorkerSpec
@@ -36,6 +37,8 @@ class Context:
         self.device = (torch.device("cuda", spec.device_index) if spec.accelerator == "cuda"
                        else torch.device("cpu"))
         self._telemetry = telemetry
+        self._recorder = (Recorder(self.rank, self.device, telemetry, spec.telemetry)
+                          if telemetry is not None else None)
         self._scaler = None
         self._batches = 0
         self._logs = 0
@@ -75,6 +78,9 @@ class Context:
         current = dict(inner.named_parameters(remove_duplicate=False))
         for opt in optimizers:
             _repoint(opt, names, current)
+        if self._recorder is not None:
+            self._recorder.watch(wrapped, optimizers,
+                                 ddp=isinstance(wrapped, nn.parallel.DistributedDataParallel))
         self._scaler = self.strategy.grad_scaler(self)
         if self._scaler is not None:
             optimizers = tuple(_ScaledOptimizer(opt, self._scaler) for opt in optimizers)
@@ -117,8 +123,20 @@ class Context:
                             drop_last=drop_last, **kwargs)
         return DeviceLoader(loader, sampler, self)
 
-    def _on_batch(self) -> None:
+    def _on_batch(self, samples: int) -> None:
         self._batches += 1
+        if self._recorder is not None:
+            self._recorder.on_batch(self._batches - 1, samples)
+
+    def _on_epoch_end(self) -> None:
+        if self._recorder is not None:
+            self._recorder.on_epoch_end()
+
+    def _close(self) -> None:
+        """End of the user's function: send what is pending."""
+        self._flush_logs()
+        if self._recorder is not None:
+            self._recorder.close()
 
     # -- metrics -----------------------------------------------------------------------
     def log(self, **metrics: float | torch.Tensor) -> None:
@@ -126,7 +144,7 @@ class Context:
 
         Tensors may stay on the GPU: they are read back in batches, not one sync per call.
         """
-        if not metrics:
+        if not metrics or self._telemetry is None:
             return
         values: dict[str, Any] = {}
         on_accelerator = False
@@ -160,8 +178,6 @@ class Context:
         numbers = iter(torch.stack([t.float().reshape(()) for t in tensors]).tolist()
                        if tensors else [])
         pending, self._pending = self._pending, []
-        if self._telemetry is None:
-            return
         for step, t, vals in pending:
             floats = {k: next(numbers) if isinstance(v, torch.Tensor) else v
                       for k, v in vals.items()}
@@ -198,9 +214,23 @@ class DeviceLoader:
         device = self._ctx.device
         non_blocking = device.type == "cuda"
         for batch in self.loader:
-            self._ctx._on_batch()
+            self._ctx._on_batch(_batch_size(batch))
             yield _to_device(batch, device, non_blocking)
+        self._ctx._on_epoch_end()
         self.epoch += 1
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = _batch_size(item)
+            if size:
+                return size
+    return 0
 
 
 def _to_device(obj: Any, device: torch.device, non_blocking: bool) -> Any:

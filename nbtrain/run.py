@@ -11,8 +11,10 @@ import weakref
 from typing import Any
 
 from .errors import RunStoppedError, RunTimeoutError, WorkerError
-from .telemetry.events import Event, Lifecycle
+from .telemetry.events import Event, Lifecycle, Output
 from .telemetry.history import History
+from .telemetry.sinks import Sink, SinkDispatcher
+from .telemetry.summary import Summary, summarize
 
 _ACTIVE: weakref.WeakSet[Run] = weakref.WeakSet()
 
@@ -24,7 +26,7 @@ class Run:
     """
 
     def __init__(self, fn_name: str, strategy, plan, start_method: str,
-                 timeout: float | None):
+                 timeout: float | None, sinks: list[Sink] = ()):
         self.fn_name = fn_name
         self.strategy = strategy
         self.accelerator = plan.accelerator
@@ -44,6 +46,8 @@ class Run:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._streams = {"out": sys.stdout, "err": sys.stderr}
+        self._last_step: dict[int, int] = {}
+        self._sinks = SinkDispatcher(list(sinks))
 
     # -- public ------------------------------------------------------------------------
     @property
@@ -80,6 +84,16 @@ class Run:
         """Rank 0's return value."""
         return self.results[0]
 
+    def summary(self) -> Summary:
+        """Per rank: peak memory by category, mean step time, throughput, communication
+        per step, last metric values. Printable as a table."""
+        return summarize(self.history, self.world_size)
+
+    @property
+    def dropped_for_sinks(self) -> int:
+        """Events a slow sink (a dashboard) did not get; the history has them all."""
+        return self._sinks.dropped
+
     def wait(self, timeout: float | None = None) -> list[Any] | None:
         """Block until the run ends; return ``results`` (None if stopped) or raise its error."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -107,6 +121,8 @@ class Run:
     # -- kernel side plumbing ----------------------------------------------------------
     def _on_event(self, event: Event) -> None:
         self.history.append(event)
+        self._last_step[event.rank] = event.step
+        self._sinks.put(event)
         if isinstance(event, Lifecycle):
             state = {"started": "running", "finished": "done", "failed": "failed"}[event.state]
             with self._lock:
@@ -116,6 +132,10 @@ class Run:
 
     def _emit(self, rank: int, stream: str, line: str) -> None:
         """One whole line of a worker's output, labelled with its rank."""
+        event = Output(rank=rank, step=self._last_step.get(rank, 0), t=time.monotonic(),
+                       stream="stdout" if stream == "out" else "stderr", line=line)
+        self.history.append(event)
+        self._sinks.put(event)
         target = self._streams[stream]
         try:
             target.write(f"[rank {rank}] {line}\n")
@@ -146,6 +166,7 @@ class Run:
         except BaseException as err:  # never leave a waiter hanging
             self._error, self._status = err, "failed"
         self.ended_at = time.monotonic()
+        self._sinks.close(self)
         _ACTIVE.discard(self)
         self._done.set()
 

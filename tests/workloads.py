@@ -105,3 +105,23 @@ def chatty(ctx, lines=50):
 
 def unpicklable(ctx):
     return {"fine": 1, "gen": (i for i in range(3))}  # a live generator cannot be copied
+
+
+def param_count() -> int:
+    return sum(p.numel() for p in Net().parameters())
+
+
+def log_many(ctx, steps=300):
+    """Logs every step without a dataloader: optimizer steps mark the steps."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = ctx.setup(model, opt)
+    x = torch.randn(4, 8)
+    for i in range(steps):
+        loss = model(x).pow(2).mean()
+        ctx.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        ctx.log(loss=loss, i=i)
+    return steps

@@ -14,6 +14,8 @@ from .. import strategies
 from ..run import Run
 from ..strategies import Strategy
 from ..telemetry.channel import TelemetryServer
+from ..telemetry.options import Telemetry
+from ..telemetry.sinks import Sink
 from .devices import parse_devices, threads_per_worker
 from .fork import ForkLauncher
 from .guards import choose_start_method
@@ -31,7 +33,8 @@ _HOST = "127.0.0.1"
 def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = "auto",
            strategy: str | Strategy = "ddp", accelerator: str = "auto",
            start_method: str = "auto", background: bool = False,
-           timeout: float | None = None, telemetry: bool = True, **kwargs: Any) -> Run:
+           timeout: float | None = None, telemetry: bool | Telemetry = True,
+           sinks: list[Sink] = (), **kwargs: Any) -> Run:
     """Run ``fn(ctx, *args, **kwargs)`` once per rank, one rank per device.
 
     Args:
@@ -45,7 +48,11 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
         background: return the ``Run`` at once instead of blocking until it ends.
         timeout: seconds after which the run is ended and an error names the ranks still
             running (a hang in a collective, for instance).
-        telemetry: stream ``ctx.log`` metrics to ``run.history``.
+        telemetry: what workers stream to ``run.history``: ``True`` (metrics, step
+            times, memory by category every 10 steps, communication per step),
+            ``False`` (nothing), or ``nbtrain.Telemetry(memory_every=..., comm=...)``.
+        sinks: extra outputs that receive the events (objects with
+            ``on_events(events)`` and ``close(run)``; see ``nbtrain.telemetry.sinks``).
 
     Returns the ``Run``. Blocking, a failed rank raises ``nbtrain.WorkerError`` here; an
     interrupt (Ctrl-C, the stop button) ends every worker and raises KeyboardInterrupt.
@@ -54,14 +61,15 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
         raise TypeError(f"launch() takes the function to run first; got {type(fn).__name__}.")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+    options = Telemetry.from_arg(telemetry)
     chosen = strategies.get(strategy)
     plan = parse_devices(devices, accelerator)
     chosen.check(plan)
     method = _start_method(start_method, chosen)
     launcher = LAUNCHERS[method]()
     payload = launcher.prepare(fn, args, kwargs, chosen)
-    run = Run(getattr(fn, "__name__", "fn"), chosen, plan, method, timeout)
-    _start(run, launcher, payload, plan, telemetry)
+    run = Run(getattr(fn, "__name__", "fn"), chosen, plan, method, timeout, sinks)
+    _start(run, launcher, payload, plan, options)
     if background:
         return run
     try:
@@ -81,13 +89,13 @@ def _start_method(requested: str, strategy: Strategy) -> str:
     return choose_start_method(preferred or requested)
 
 
-def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: bool) -> None:
+def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetry) -> None:
     import torch.distributed as dist
 
     cleanup: list[Callable[[], None]] = [launcher.close]
     handles = []
     try:
-        server = TelemetryServer(run._on_event, host=_HOST) if telemetry else None
+        server = TelemetryServer(run._on_event, host=_HOST) if telemetry.enabled else None
         if server is not None:
             cleanup.append(server.close)
         pg_timeout = max(60.0, run.timeout or 0) if run.timeout else 600.0
@@ -108,7 +116,8 @@ def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: bool) ->
                 telemetry_address=server.address if server else None,
                 telemetry_token=server.token if server else "",
                 num_threads=threads, pg_timeout_s=pg_timeout, parent_pid=os.getpid(),
-                die_with_parent=threading.current_thread() is threading.main_thread())
+                die_with_parent=threading.current_thread() is threading.main_thread(),
+                telemetry=telemetry)
             handles.append(launcher.start(spec, payload))
         del store
     except BaseException:

@@ -32,18 +32,14 @@ class SpawnLauncher:
 
         self._context = multiprocess.get_context("spawn")
         self._tracker = resource_tracker._resource_tracker
-        with SpawnLauncher._lock:
-            if SpawnLauncher._active == 0:
-                SpawnLauncher._owns_tracker = getattr(self._tracker, "_pid", 0) is None
-            SpawnLauncher._active += 1
-        self._closed = False
+        self._counted = False
 
     def close(self) -> None:
         """Called once the run's workers are gone."""
         with SpawnLauncher._lock:
-            if self._closed:
+            if not self._counted:
                 return
-            self._closed = True
+            self._counted = False
             SpawnLauncher._active -= 1
             if SpawnLauncher._active == 0 and SpawnLauncher._owns_tracker:
                 try:
@@ -65,4 +61,10 @@ class SpawnLauncher:
                 "start_method='fork'.") from err
 
     def start(self, spec: WorkerSpec, payload: Any) -> WorkerHandle:
+        with SpawnLauncher._lock:
+            if not self._counted:
+                if SpawnLauncher._active == 0:
+                    SpawnLauncher._owns_tracker = getattr(self._tracker, "_pid", 0) is None
+                SpawnLauncher._active += 1
+                self._counted = True
         return start_with_context(self._context, spec, payload)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import json
 import os
 import pickle
 import signal
@@ -17,6 +18,8 @@ import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
+
+from ..telemetry.options import Telemetry
 
 ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
             "LOCAL_WORLD_SIZE", "GROUP_RANK")
@@ -40,6 +43,7 @@ class WorkerSpec:
     pg_timeout_s: float
     parent_pid: int
     die_with_parent: bool  # PR_SET_PDEATHSIG: launched from the main thread
+    telemetry: Telemetry = Telemetry()
 
     def environ(self) -> dict[str, str]:
         env = {
@@ -121,7 +125,7 @@ def _run(spec: WorkerSpec, payload: Any, control) -> int:
             torch.set_num_threads(spec.num_threads)
         if spec.accelerator == "cuda":
             torch.cuda.set_device(spec.device_index)
-        if spec.telemetry_address is not None:
+        if spec.telemetry_address is not None and spec.telemetry.enabled:
             telemetry = TelemetryClient(spec.telemetry_address, spec.telemetry_token, spec.rank)
         timeout = datetime.timedelta(seconds=spec.pg_timeout_s)
         store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size,
@@ -136,7 +140,7 @@ def _run(spec: WorkerSpec, payload: Any, control) -> int:
             telemetry.send(Lifecycle(rank=spec.rank, step=0, t=time.monotonic(),
                                      state="started"))
         result = fn(ctx, *args, **kwargs)
-        ctx._flush_logs()
+        ctx._close()
         message = encode_result(result, spec.rank)
         if telemetry:
             telemetry.send(Lifecycle(rank=spec.rank, step=ctx.step, t=time.monotonic(),
@@ -144,14 +148,14 @@ def _run(spec: WorkerSpec, payload: Any, control) -> int:
     except BaseException as exc:
         if ctx is not None:
             try:
-                ctx._flush_logs()
+                ctx._close()
             except Exception:
                 pass
         message = encode_failure(exc, spec.rank)
         if telemetry:
             telemetry.send(Lifecycle(rank=spec.rank, step=ctx.step if ctx else 0,
                                      t=time.monotonic(), state="failed",
-                                     detail=f"{type(exc).__name__}: {exc}"))
+                                     detail=json.loads(message[1:])["traceback"][-50_000:]))
     if telemetry:
         telemetry.close()  # every event is in the kernel before the result is
     control.send_bytes(message)
@@ -226,8 +230,6 @@ def _unpicklable_part(obj: Any, path: str = "the result") -> str:
 
 
 def encode_failure(exc: BaseException, rank: int) -> bytes:
-    import json
-
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next  # the user's frames only, not nbtrain's bootstrap

@@ -90,10 +90,15 @@ class FSDP(Strategy):
             size = _count(module)
             if size < threshold:
                 return
-            # A trunk holding most of the model: give its blocks their own units too.
+            # A trunk holding most of the model: give its blocks their own units too, and
+            # keep it as a unit only if enough is left outside them.
             if size > total // 4 and any(_count(c) >= threshold for c in module.children()):
+                before = len(units)
                 for child in module.children():
                     visit(child)
+                inside = {id(p) for u in units[before:] for p in u.parameters()}
+                if sum(p.numel() for p in module.parameters() if id(p) not in inside) < threshold:
+                    return
             units.append(module)
 
         for child in model.children():

@@ -31,15 +31,58 @@ class Metric(Event):
 
 
 @dataclass(frozen=True)
+class Step(Event):
+    """One training step (a batch from ``ctx.dataloader``, or one optimizer step)."""
+
+    kind: ClassVar[str] = "step"
+    duration: float = 0.0  # seconds, from this step's batch to the next one
+    samples: int = 0  # samples in the step's batch on this rank
+
+
+@dataclass(frozen=True)
+class Memory(Event):
+    """Bytes by category on this rank, after an optimizer step.
+
+    Categories measured from the tensors themselves (the same on CPU and CUDA):
+    ``params``, ``grads``, ``optimizer`` — each rank's local shards, shared storage
+    counted once. On CUDA also ``cuda_allocated``, ``cuda_reserved``, ``cuda_peak`` (the
+    allocator's peak since the previous step) and ``device_used`` (the driver's view,
+    as ``nvidia-smi`` shows it, for the whole GPU).
+    """
+
+    kind: ClassVar[str] = "memory"
+    values: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Comm(Event):
+    """Collectives issued during one step, by op type: calls and logical bytes."""
+
+    kind: ClassVar[str] = "comm"
+    counts: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Lifecycle(Event):
-    """A rank started its function, finished it, or failed in it."""
+    """A rank started its function, finished it, or failed in it (with the traceback)."""
 
     kind: ClassVar[str] = "lifecycle"
     state: Literal["started", "finished", "failed"] = "started"
     detail: str = ""
 
 
-EVENT_TYPES: dict[str, type[Event]] = {cls.kind: cls for cls in (Metric, Lifecycle)}
+@dataclass(frozen=True)
+class Output(Event):
+    """One whole line a worker wrote to stdout or stderr."""
+
+    kind: ClassVar[str] = "output"
+    stream: Literal["stdout", "stderr"] = "stdout"
+    line: str = ""
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.kind: cls for cls in (Metric, Step, Memory, Comm, Lifecycle, Output)}
 
 
 def encode(event: Event) -> bytes:
@@ -58,10 +101,13 @@ def decode(data: bytes) -> Event | None:
         event = cls(**values)
         if not isinstance(event.rank, int) or not isinstance(event.step, int):
             return None
-        if isinstance(event, Metric) and not (
-                isinstance(event.values, dict)
-                and all(isinstance(v, (int, float)) for v in event.values.values())):
-            return None
+        for name in ("values", "counts", "bytes"):
+            mapping = getattr(event, name, None)
+            if mapping is not None and not (
+                    isinstance(mapping, dict)
+                    and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                            for v in mapping.values())):
+                return None
         return event
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return None

@@ -1,0 +1,36 @@
+"""What the workers report, chosen with ``launch(telemetry=...)``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    """Telemetry options.
+
+    ``launch(telemetry=True)`` uses the defaults, ``telemetry=False`` turns every event
+    off (``ctx.log`` included), ``telemetry=Telemetry(memory_every=1)`` samples memory
+    every step.
+    """
+
+    # Stream events at all (metrics, steps, memory, communication, lifecycle).
+    enabled: bool = True
+    # Measure memory by category every N optimizer steps (0: never). Walking the
+    # parameters costs microseconds per tensor; every 10 steps keeps it invisible.
+    memory_every: int = 10
+    # Count collectives (op type, calls, logical bytes) per step.
+    comm: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.memory_every, int) or self.memory_every < 0:
+            raise ValueError(f"memory_every={self.memory_every!r} must be an int >= 0 "
+                             "(0 turns memory sampling off).")
+
+    @classmethod
+    def from_arg(cls, value: bool | Telemetry) -> Telemetry:
+        if isinstance(value, Telemetry):
+            return value
+        if isinstance(value, bool):
+            return cls(enabled=value)
+        raise TypeError(f"telemetry={value!r}: give True, False or nbtrain.Telemetry(...).")

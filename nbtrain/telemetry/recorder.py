@@ -1,0 +1,89 @@
+"""Worker side: turns what the training loop does into events, without the user writing
+anything. Step boundaries come from ``ctx.dataloader`` batches (or, without it, from
+optimizer steps); memory is sampled after optimizer steps; collectives are tallied per
+step."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from .channel import TelemetryClient
+from .events import Comm, Memory, Step
+from .options import Telemetry
+from .probes import CommCounter, cuda_memory, ddp_python_allreduce, memory_by_category
+
+
+class Recorder:
+    def __init__(self, rank: int, device: torch.device, client: TelemetryClient,
+                 options: Telemetry):
+        self.rank = rank
+        self.device = device
+        self.client = client
+        self.options = options
+        self.comm = CommCounter() if options.comm else None
+        if self.comm:
+            self.comm.install()
+        self._model: nn.Module | None = None
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._step = -1  # the step in progress
+        self._last: float | None = None  # when it started
+        self._samples = 0
+        self._opt_steps = 0
+        self._batches_seen = False
+
+    def watch(self, model: nn.Module, optimizers, ddp: bool) -> None:
+        self._model = model
+        self._optimizers = list(optimizers)
+        if ddp and self.comm:
+            ddp_python_allreduce(model)
+        if self._optimizers:
+            self._optimizers[0].register_step_post_hook(self._after_optimizer_step)
+
+    # -- step boundaries ---------------------------------------------------------------
+    def on_batch(self, step: int, samples: int) -> None:
+        self._batches_seen = True
+        self._boundary(step, samples)
+
+    def on_epoch_end(self) -> None:
+        self._close_step(time.monotonic())
+        self._last = None  # the gap until the next epoch is not a step
+
+    def _boundary(self, step: int, samples: int) -> None:
+        now = time.monotonic()
+        self._close_step(now)
+        self._step, self._last, self._samples = step, now, samples
+        if self.device.type == "cuda":  # the peak read after this step is this step's
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _close_step(self, now: float) -> None:
+        if self._last is None:
+            return
+        self.client.send(Step(rank=self.rank, step=self._step, t=now,
+                              duration=now - self._last, samples=self._samples))
+        if self.comm:
+            counts, sizes = self.comm.take()
+            if counts:
+                self.client.send(Comm(rank=self.rank, step=self._step, t=now,
+                                      counts=counts, bytes=sizes))
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if not self._batches_seen:  # no ctx.dataloader: optimizer steps are the steps
+            self._boundary(self._opt_steps, 0)
+        self._opt_steps += 1
+        every = self.options.memory_every
+        if every and (self._opt_steps - 1) % every == 0:
+            self.sample_memory(max(self._step, 0))
+
+    def sample_memory(self, step: int) -> None:
+        values = memory_by_category(self._model, self._optimizers)
+        if self.device.type == "cuda":
+            values.update(cuda_memory(self.device))
+        self.client.send(Memory(rank=self.rank, step=step, t=time.monotonic(), values=values))
+
+    def close(self) -> None:
+        self._close_step(time.monotonic())
+        if self.comm:
+            self.comm.uninstall()

@@ -1,0 +1,118 @@
+"""``run.summary()``: per-rank figures from the history — peak memory by category, mean
+step time, throughput, communication per step, last metric values."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from .events import Comm, Memory, Metric, Step
+from .history import History
+
+MEMORY_ORDER = ("params", "grads", "optimizer", "activations", "peak", "cuda_allocated",
+                "cuda_reserved", "cuda_peak", "device_used")
+
+
+@dataclass
+class RankSummary:
+    rank: int
+    steps: int = 0
+    step_time: float | None = None  # mean seconds, first step (warm-up) left out
+    samples_per_s: float | None = None
+    memory: dict[str, int] = field(default_factory=dict)  # peak bytes per category
+    comm_per_step: dict[str, dict[str, float]] = field(default_factory=dict)  # op -> calls, bytes
+    metrics: dict[str, float] = field(default_factory=dict)  # last value of each
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(self.memory.get(k, 0) for k in ("params", "grads", "optimizer"))
+
+
+@dataclass
+class Summary:
+    ranks: list[RankSummary]
+
+    @property
+    def samples_per_s(self) -> float:
+        return sum(r.samples_per_s or 0.0 for r in self.ranks)
+
+    def rows(self) -> list[dict[str, Any]]:
+        rows = []
+        for r in self.ranks:
+            row: dict[str, Any] = {"rank": r.rank, "steps": r.steps, "step_time_s": r.step_time,
+                                   "samples_per_s": r.samples_per_s}
+            row.update({f"{k}_bytes": v for k, v in r.memory.items()})
+            for op, figures in r.comm_per_step.items():
+                row[f"{op}_calls_per_step"] = figures["calls"]
+                row[f"{op}_bytes_per_step"] = figures["bytes"]
+            row.update(r.metrics)
+            rows.append(row)
+        return rows
+
+    def to_pandas(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.rows())
+
+    def __str__(self) -> str:
+        metric_names = list(dict.fromkeys(k for r in self.ranks for k in r.metrics))
+        memory_names = [k for k in MEMORY_ORDER if any(k in r.memory for r in self.ranks)]
+        ops = list(dict.fromkeys(op for r in self.ranks for op in r.comm_per_step))
+        header = (["rank", "steps", "step ms", "samples/s"] + metric_names
+                  + [f"{k} MB" for k in memory_names] + [f"{op}/step" for op in ops])
+        table = [header]
+        for r in self.ranks:
+            table.append(
+                [str(r.rank), str(r.steps), _fmt(r.step_time, 1000, ".1f"),
+                 _fmt(r.samples_per_s, 1, ".0f")]
+                + [_fmt(r.metrics.get(k), 1, ".4g") for k in metric_names]
+                + [_fmt(r.memory.get(k), 1 / 2**20, ".2f") for k in memory_names]
+                + [(f"{c['calls']:.0f} × {c['bytes'] / max(c['calls'], 1) / 2**20:.2f} MB"
+                    if (c := r.comm_per_step.get(op)) else "-") for op in ops])
+        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+        lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in table]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        if len(self.ranks) > 1 and self.samples_per_s:
+            lines.append(f"total throughput: {self.samples_per_s:.0f} samples/s")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _fmt(value, scale: float, spec: str) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def summarize(history: History, world_size: int) -> Summary:
+    ranks = []
+    for rank in range(world_size):
+        s = RankSummary(rank)
+        steps = [e for e in history.events("step", rank) if isinstance(e, Step)]
+        s.steps = len(steps)
+        timed = steps[1:] if len(steps) > 1 else steps
+        if timed:
+            total = sum(e.duration for e in timed)
+            s.step_time = total / len(timed)
+            samples = sum(e.samples for e in timed)
+            s.samples_per_s = samples / total if total > 0 and samples else None
+        for e in history.events("memory", rank):
+            if isinstance(e, Memory):
+                for k, v in e.values.items():
+                    s.memory[k] = max(s.memory.get(k, 0), v)
+        calls: dict[str, int] = defaultdict(int)
+        sizes: dict[str, int] = defaultdict(int)
+        for e in history.events("comm", rank):
+            if isinstance(e, Comm):
+                for op, n in e.counts.items():
+                    calls[op] += n
+                    sizes[op] += e.bytes.get(op, 0)
+        per = max(s.steps, 1)
+        s.comm_per_step = {op: {"calls": calls[op] / per, "bytes": sizes[op] / per}
+                           for op in calls}
+        for e in history.events("metric", rank):
+            if isinstance(e, Metric):
+                s.metrics.update(e.values)
+        ranks.append(s)
+    return Summary(ranks)

@@ -1,0 +1,150 @@
+"""Telemetry from real 2-rank runs: every event arrives, memory by category is exact,
+communication shows each strategy's collectives."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from workloads import log_many, param_count, train
+
+import nbtrain
+from nbtrain.telemetry.events import Comm, Memory, Step
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+EVERY_STEP = nbtrain.Telemetry(memory_every=1)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """One run per strategy, shared by the memory and communication tests."""
+    return {s: nbtrain.launch(train, devices=2, strategy=s, telemetry=EVERY_STEP)
+            for s in ("ddp", "fsdp", "fsdp_grad_op")}
+
+
+def _last_memory(run, rank) -> dict[str, int]:
+    return [e for e in run.history.events("memory", rank) if isinstance(e, Memory)][-1].values
+
+
+def test_ddp_holds_16_bytes_per_parameter_on_every_rank(runs):
+    n = param_count()
+    for rank in (0, 1):
+        mem = _last_memory(runs["ddp"], rank)
+        assert mem["params"] == 4 * n
+        assert mem["grads"] == 4 * n
+        assert mem["optimizer"] == 8 * n  # Adam: two fp32 moments
+        assert "cuda_allocated" not in mem  # no allocator figures on CPU, and no RSS
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp_grad_op"])
+def test_sharding_halves_the_bytes_per_rank(runs, strategy):
+    n = param_count()
+    for rank in (0, 1):
+        mem = _last_memory(runs[strategy], rank)
+        for category, per_param in (("params", 4), ("grads", 4), ("optimizer", 8)):
+            half = per_param * n / 2
+            assert half <= mem[category] <= 1.02 * half, (category, mem[category], half)
+
+
+def _comm_per_step(run, rank) -> dict[str, tuple[int, int]]:
+    events = [e for e in run.history.events("comm", rank) if isinstance(e, Comm)]
+    steps = len(run.history.events("step", rank))
+    assert len(events) == steps == 8
+    ops = {op for e in events for op in e.counts}
+    return {op: (sum(e.counts.get(op, 0) for e in events) // steps,
+                 sum(e.bytes.get(op, 0) for e in events) // steps) for op in ops}
+
+
+def test_ddp_communicates_by_all_reduce_only(runs):
+    n = param_count()
+    for rank in (0, 1):
+        per_step = _comm_per_step(runs["ddp"], rank)
+        assert set(per_step) == {"all_reduce"}
+        calls, size = per_step["all_reduce"]
+        assert calls >= 1 and size == 4 * n  # every gradient, once
+
+
+def test_fsdp_gathers_parameters_and_scatters_gradients(runs):
+    n = param_count()
+    full = _comm_per_step(runs["fsdp"], 0)
+    grad_op = _comm_per_step(runs["fsdp_grad_op"], 0)
+    assert set(full) == set(grad_op) == {"all_gather", "reduce_scatter"}
+    assert full["all_gather"][1] == 2 * 4 * n  # gathered for forward and again for backward
+    assert grad_op["all_gather"][1] == 4 * n  # kept from forward to backward
+    assert full["reduce_scatter"][1] == grad_op["reduce_scatter"][1] == 4 * n
+    assert full["all_gather"][0] == 2 * grad_op["all_gather"][0]
+
+
+def test_steps_carry_time_and_samples(runs):
+    run = runs["ddp"]
+    steps = [e for e in run.history.events("step", 0) if isinstance(e, Step)]
+    assert [e.step for e in steps] == list(range(8))
+    assert all(e.samples == 16 and e.duration > 0 for e in steps)
+    summary = run.summary()
+    assert summary.ranks[0].steps == 8 and summary.ranks[0].samples_per_s > 0
+    assert summary.ranks[0].model_bytes == 16 * param_count()
+    text = str(summary)
+    assert "params MB" in text and "all_reduce/step" in text and "loss" in text
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_every_event_arrives_in_order(start_method):
+    run = nbtrain.launch(log_many, 300, devices=2, start_method=start_method)
+    for rank in (0, 1):
+        logged = run.history.metric("i", rank)
+        assert [v for _, v in logged] == list(range(300))
+        assert [s for s, _ in logged] == list(range(300))
+        assert [e.step for e in run.history.events("step", rank)] == list(range(300))
+        states = [e.state for e in run.history.events("lifecycle", rank)]
+        assert states == ["started", "finished"]
+
+
+class SlowSink:
+    def __init__(self, delay):
+        self.delay, self.calls, self.events, self.closed = delay, 0, 0, None
+
+    def on_events(self, events):
+        time.sleep(self.delay)
+        self.calls += 1
+        self.events += len(events)
+
+    def close(self, run):
+        self.closed = run.status
+
+
+def test_a_slow_consumer_never_stalls_the_workers():
+    sink = SlowSink(delay=0.05)  # slower than a step: would cost 15 s if steps waited
+    run = nbtrain.launch(log_many, 300, devices=2, sinks=[sink])
+    steps = [e.duration for e in run.history.events("step")]
+    assert len(steps) == 600
+    assert sum(steps) / len(steps) < 0.025
+    assert len(run.history.metric("i", 1)) == 300  # the history has everything
+    assert sink.calls < sink.events and sink.closed == "done"  # batched, and told the end
+
+
+def test_telemetry_options():
+    run = nbtrain.launch(log_many, 20, devices=2, telemetry=False)
+    assert len(run.history.events()) == 0 and run.results == [20, 20]
+    run = nbtrain.launch(log_many, 20, devices=2,
+                         telemetry=nbtrain.Telemetry(memory_every=0, comm=False))
+    kinds = {e.kind for e in run.history.events()}
+    assert {"metric", "step", "lifecycle"} <= kinds and not kinds & {"memory", "comm"}
+    run = nbtrain.launch(log_many, 20, devices=2)  # default: memory every 10 steps
+    assert [e.step for e in run.history.events("memory", 0)] == [0, 10]
+    with pytest.raises(ValueError, match="memory_every"):
+        nbtrain.Telemetry(memory_every=-1)
+    with pytest.raises(TypeError, match="telemetry="):
+        nbtrain.launch(log_many, devices=2, telemetry="yes")
+
+
+def test_history_exports(runs, tmp_path):
+    history = runs["fsdp"].history
+    rows = history.records()
+    assert {"kind", "rank", "step", "t", "loss"} <= set(rows[0])
+    history.to_csv(tmp_path / "h.csv")
+    assert (tmp_path / "h.csv").read_text().splitlines()[0].startswith("kind,rank,step,t")
+    history.to_json(tmp_path / "h.json")
+    kinds = {r["kind"] for r in json.loads((tmp_path / "h.json").read_text())}
+    assert {"metric", "step", "memory", "comm", "lifecycle"} <= kinds
