@@ -89,6 +89,10 @@ class Run:
         per step, last metric values. Printable as a table."""
         return summarize(self.history, self.world_size)
 
+    def add_sink(self, sink: Sink) -> None:
+        """Send this run's events to ``sink`` too (``on_events(events)``, ``close(run)``)."""
+        self._sinks.add(sink)
+
     @property
     def dropped_for_sinks(self) -> int:
         """Events a slow sink (a dashboard) did not get; the history has them all."""

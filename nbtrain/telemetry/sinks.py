@@ -28,12 +28,21 @@ class Sink(Protocol):
 
 class SinkDispatcher:
     def __init__(self, sinks: list[Sink], capacity: int = 50_000):
-        self.sinks = list(sinks)
+        self.sinks: list[Sink] = []
         self.dropped = 0
         self._queue: queue.Queue = queue.Queue(capacity)
         self._thread = threading.Thread(target=self._loop, name="nbtrain-sinks", daemon=True)
         self._closing = None
-        if self.sinks:
+        for sink in sinks:
+            self.add(sink)
+
+    def add(self, sink: Sink) -> None:
+        """Attach a sink; call before the run's first events to see them all."""
+        if not (callable(getattr(sink, "on_events", None)) and callable(getattr(sink, "close", None))):
+            raise TypeError(f"{type(sink).__name__} is not a sink: it needs on_events(events) "
+                            "and close(run).")
+        self.sinks.append(sink)
+        if not self._thread.is_alive():
             self._thread.start()
 
     def put(self, event: Event) -> None:
