@@ -87,3 +87,10 @@ def test_default_wrap_makes_one_unit_per_block():
     assert not any(u in units for b in model.blocks for u in b.modules() if u is not b)
     # a high threshold leaves everything to the root
     assert FSDP(min_wrap_params=10**9).units(model) == []
+
+
+def test_default_wrap_keeps_blocks_of_a_short_stack_whole():
+    from nbtrain.examples.charlm import CharLM, Config
+
+    model = CharLM(Config(vocab=40, layers=2))  # each block holds ~half the model
+    assert FSDP().units(model) == list(model.blocks)

@@ -3,8 +3,9 @@ state are sharded across ranks as DTensors.
 
 Which modules become FSDP units: the classes in ``wrap`` when given; otherwise, top-down,
 each child module holding at least ``min_wrap_params`` parameters (default: 1/20 of the
-model), looking inside ModuleLists and inside trunks that hold over a quarter of the model,
-so a stack of blocks gets one unit per block; then the root, which owns whatever is left.
+model). Entries of a ModuleList are blocks and stay whole (one unit per transformer
+layer); other modules holding over a quarter of the model are trunks, looked inside.
+Then the root, which owns whatever is left.
 """
 
 from __future__ import annotations
@@ -82,17 +83,18 @@ class FSDP(Strategy):
         threshold = self.min_wrap_params or max(1, total // 20)
         units: list[nn.Module] = []
 
-        def visit(module: nn.Module) -> None:
-            if isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # containers never run
-                for child in module.children():
-                    visit(child)
+        def visit(module: nn.Module, block: bool = False) -> None:
+            if isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # containers never run;
+                for child in module.children():  # their entries are the model's blocks
+                    visit(child, block=True)
                 return
             size = _count(module)
             if size < threshold:
                 return
-            # A trunk holding most of the model: give its blocks their own units too, and
-            # keep it as a unit only if enough is left outside them.
-            if size > total // 4 and any(_count(c) >= threshold for c in module.children()):
+            # A trunk holding most of the model: give its parts their own units too, and
+            # keep it as a unit only if enough is left outside them. A block stays whole.
+            if (not block and size > total // 4
+                    and any(_count(c) >= threshold for c in module.children())):
                 before = len(units)
                 for child in module.children():
                     visit(child)
