@@ -1,0 +1,32 @@
+"""The README's first command, run as a user runs it."""
+
+import subprocess
+import sys
+
+
+def test_demo_runs_and_writes_a_self_contained_report(tmp_path, no_leftovers):
+    report = tmp_path / "report.html"
+    done = subprocess.run([sys.executable, "-m", "nbtrain", "demo", "--steps", "12",
+                           "--output", str(report)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    for text in ("== ddp on 2 × cpu", "== fsdp on 2 × cpu", "params MB", "optimizer MB",
+                 "all_reduce/step", "reduce_scatter/step", "step ms"):
+        assert text in out
+    page = report.read_text()
+    assert "<script src=\"http" not in page  # plotly's JavaScript is inlined
+    for text in ("loss per rank", "memory per rank by category", "ddp rank 1",
+                 "fsdp rank 0", "<pre>"):
+        assert text in page
+
+
+def test_demo_help_lists_its_options():
+    done = subprocess.run([sys.executable, "-m", "nbtrain", "demo", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    for option in ("--strategies", "--devices", "--steps", "--output"):
+        assert option in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "nbtrain", "demo", "--strategies", "zero9"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "unknown strategy 'zero9'" in bad.stderr
