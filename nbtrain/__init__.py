@@ -10,7 +10,8 @@ from .errors import RunStoppedError, RunTimeoutError, WorkerError
 from .launch import launch
 from .run import Run
 from .telemetry.options import Telemetry
+from .ui import StrategyPicker, compare
 
-__all__ = ["Context", "Run", "RunStoppedError", "RunTimeoutError", "Telemetry", "WorkerError",
-           "launch", "strategies"]
+__all__ = ["Context", "Run", "RunStoppedError", "RunTimeoutError", "StrategyPicker",
+           "Telemetry", "WorkerError", "compare", "launch", "strategies"]
 __version__ = "0.1.0"

@@ -122,6 +122,12 @@ class Run:
         return (f"<Run {self.fn_name} strategy={self.strategy.name} {where} "
                 f"start={self.start_method}: {self._status} after {self.elapsed:.1f}s>")
 
+    def _ipython_display_(self) -> None:
+        """A run shown on its own (last line of a cell): its summary dashboard."""
+        from .ui import show_run
+
+        show_run(self)
+
     # -- kernel side plumbing ----------------------------------------------------------
     def _on_event(self, event: Event) -> None:
         self.history.append(event)

@@ -34,7 +34,7 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
            strategy: str | Strategy = "ddp", accelerator: str = "auto",
            start_method: str = "auto", background: bool = False,
            timeout: float | None = None, telemetry: bool | Telemetry = True,
-           sinks: list[Sink] = (), **kwargs: Any) -> Run:
+           sinks: list[Sink] = (), dashboard: bool | str = "auto", **kwargs: Any) -> Run:
     """Run ``fn(ctx, *args, **kwargs)`` once per rank, one rank per device.
 
     Args:
@@ -53,6 +53,12 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
             ``False`` (nothing), or ``nbtrain.Telemetry(memory_every=..., comm=...)``.
         sinks: extra outputs that receive the events (objects with
             ``on_events(events)`` and ``close(run)``; see ``nbtrain.telemetry.sinks``).
+        dashboard: the run's live view in the cell. ``"auto"``/``True``: the live widget
+            dashboard where a widget frontend is connected (JupyterLab, Notebook 7), a
+            static figure refreshed every few seconds in other kernels (nbclient, VS Code
+            or Colab without widgets), text progress in a terminal; ``"widget"``,
+            ``"static"``, ``"text"`` force one; ``False`` shows nothing. The environment
+            variable ``NBTRAIN_DASHBOARD`` (same values, or ``off``) overrides ``"auto"``.
 
     Returns the ``Run``. Blocking, a failed rank raises ``nbtrain.WorkerError`` here; an
     interrupt (Ctrl-C, the stop button) ends every worker and raises KeyboardInterrupt.
@@ -61,6 +67,9 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
         raise TypeError(f"launch() takes the function to run first; got {type(fn).__name__}.")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+    from ..ui.frontend import check_arg
+
+    check_arg(dashboard)
     options = Telemetry.from_arg(telemetry)
     chosen = strategies.get(strategy)
     plan = parse_devices(devices, accelerator)
@@ -69,6 +78,10 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
     launcher = LAUNCHERS[method]()
     payload = launcher.prepare(fn, args, kwargs, chosen)
     run = Run(getattr(fn, "__name__", "fn"), chosen, plan, method, timeout, sinks)
+    if dashboard is not False and options.enabled:
+        from ..ui import attach_dashboard
+
+        attach_dashboard(run, dashboard)
     _start(run, launcher, payload, plan, options)
     if background:
         return run

@@ -1,0 +1,255 @@
+"""``nbtrain.compare(*runs)``: finished runs side by side — memory per rank by category
+beside the bytes theory predicts, step time, throughput and communication per step —
+with a one-line takeaway a learner can read.
+
+Ψ (the parameter count the theory needs) is ``n_params`` when given; otherwise it is
+derived from the measured parameter bytes: a DDP run's bytes on one rank / 4, or else
+the sum of an FSDP run's local shards over its ranks / 4 (shard padding makes this a
+few bytes high). Theory assumes fp32 master weights and Adam (``optimizer=`` changes
+that); see ``nbtrain.ui.theory``.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..telemetry.summary import Summary
+from .figures import CATEGORY_COLORS
+from .theory import CATEGORIES, FOOTNOTE, known, n_params_from_memory, theoretical_bytes
+
+if TYPE_CHECKING:
+    from ..run import Run
+
+MEASURED = ("params", "grads", "optimizer", "activations")
+
+
+@dataclass
+class Row:
+    """One run's figures."""
+
+    label: str
+    strategy: str
+    world_size: int
+    memory: list[dict[str, int]]  # per rank, peak bytes by category
+    step_time: float | None  # seconds, mean over ranks
+    samples_per_s: float | None  # all ranks together
+    comm: dict[str, float] = field(default_factory=dict)  # op -> bytes per step (rank 0)
+    theory: dict[str, float] | None = None
+    status: str = "done"
+
+    @property
+    def model_bytes(self) -> int:
+        """The most model state (params + grads + optimizer) any rank held."""
+        return max((sum(m.get(c, 0) for c in CATEGORIES) for m in self.memory), default=0)
+
+
+def unit_for(nbytes: float) -> tuple[str, float]:
+    for name, size in (("GB", 2**30), ("MB", 2**20)):
+        if nbytes >= size:
+            return name, size
+    return "KB", 2**10
+
+
+def _fmt_bytes(nbytes: float) -> str:
+    name, size = unit_for(nbytes)
+    return f"{nbytes / size:.3g} {name}"
+
+
+class Comparison:
+    def __init__(self, runs: list[Run], n_params: int | None = None, optimizer: str = "adam"):
+        for run in runs:
+            if not hasattr(run, "history") or not hasattr(run, "strategy"):
+                raise TypeError(f"compare() takes runs from nbtrain.launch(); got "
+                                f"{type(run).__name__}.")
+        if n_params is not None and (isinstance(n_params, bool) or not isinstance(n_params, int)
+                                     or n_params < 1):
+            raise ValueError(f"n_params={n_params!r} must be a positive parameter count.")
+        self.runs = list(runs)
+        self.optimizer = optimizer
+        self.rows = self._rows()
+        self.n_params = n_params if n_params is not None else self._derive_n_params()
+        for row in self.rows:
+            if self.n_params and row.strategy in known():
+                row.theory = theoretical_bytes(row.strategy, self.n_params, row.world_size,
+                                               optimizer=optimizer, precision="fp32")
+
+    def _rows(self) -> list[Row]:
+        rows, seen = [], {}
+        for run in self.runs:
+            summary: Summary = run.summary()
+            label = run.strategy.summary() if hasattr(run.strategy, "summary") else str(run.strategy)
+            seen[label] = seen.get(label, 0) + 1
+            if seen[label] > 1:
+                label = f"{label} #{seen[label]}"
+            times = [r.step_time for r in summary.ranks if r.step_time]
+            comm = {op: f["bytes"] for op, f in (summary.ranks[0].comm_per_step
+                                                 if summary.ranks else {}).items()}
+            rows.append(Row(label, run.strategy.name, run.world_size,
+                            [dict(r.memory) for r in summary.ranks],
+                            sum(times) / len(times) if times else None,
+                            summary.samples_per_s or None, comm, status=run.status))
+        return rows
+
+    def _derive_n_params(self) -> int | None:
+        ranked = sorted(self.rows, key=lambda r: not r.strategy.startswith("ddp"))
+        for row in ranked:
+            if any(m.get("params") for m in row.memory):
+                n = n_params_from_memory(row.strategy, [m.get("params", 0) for m in row.memory])
+                if n:
+                    return n
+        return None
+
+    # -- reading -----------------------------------------------------------------------
+    def takeaway(self) -> str:
+        rows = [r for r in self.rows if r.model_bytes]
+        if not rows:
+            return "No memory was measured (telemetry off, or no optimizer step ran)."
+        if len(rows) == 1:
+            r = rows[0]
+            rate = f", {r.samples_per_s:,.0f} samples/s" if r.samples_per_s else ""
+            return f"{r.label}: {_fmt_bytes(r.model_bytes)} of model state per rank{rate}."
+        low = min(rows, key=lambda r: r.model_bytes)
+        high = max(rows, key=lambda r: r.model_bytes)
+        text = (f"{low.label} holds {high.model_bytes / low.model_bytes:.1f}× less model state "
+                f"per rank than {high.label} ({_fmt_bytes(low.model_bytes)} vs "
+                f"{_fmt_bytes(high.model_bytes)})")
+        timed = [r for r in self.rows if r.samples_per_s]
+        if len(timed) > 1:
+            fast = max(timed, key=lambda r: r.samples_per_s)
+            slow = min(timed, key=lambda r: r.samples_per_s)
+            text += (f"; {fast.label} is the fastest, {fast.samples_per_s / slow.samples_per_s:.2f}× "
+                     f"{slow.label}'s throughput")
+        return text + "."
+
+    def table(self) -> str:
+        header = ["strategy", "ranks", "model state/rank", "theory/rank", "step ms",
+                  "samples/s", "comm/step"]
+        lines = [header]
+        for r in self.rows:
+            theory = sum(r.theory.values()) if r.theory else None
+            lines.append([r.label, str(r.world_size), _fmt_bytes(r.model_bytes) if r.model_bytes else "-",
+                          _fmt_bytes(theory) if theory is not None else "-",
+                          f"{r.step_time * 1000:.1f}" if r.step_time else "-",
+                          f"{r.samples_per_s:,.0f}" if r.samples_per_s else "-",
+                          _fmt_bytes(sum(r.comm.values())) if r.comm else "-"])
+        widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+        out = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in lines]
+        out.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        psi = f"Ψ = {self.n_params:,} parameters" if self.n_params else "Ψ unknown"
+        return f"{self.table()}\n{self.takeaway()}\n({psi}; fp32 master weights, {self.optimizer})"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def html(self) -> str:
+        psi = f"Ψ = {self.n_params:,} parameters" if self.n_params else "Ψ unknown"
+        return (f'<div style="font-family:sans-serif;font-size:13px"><b>'
+                f'{html.escape(self.takeaway())}</b><pre style="font-size:12px">'
+                f'{html.escape(self.table())}</pre><small>{html.escape(psi)}. '
+                f'{html.escape(FOOTNOTE)}</small></div>')
+
+    def figure(self, height: int = 620):
+        """Memory per rank by category (grouped stacked bars, theory beside), then step
+        time, throughput and communication per step per strategy."""
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        biggest = max([max((sum(m.get(c, 0) for c in MEASURED) for m in r.memory), default=0)
+                       for r in self.rows] + [sum(r.theory.values()) for r in self.rows if r.theory]
+                      + [1])
+        unit, size = unit_for(biggest)
+        fig = make_subplots(rows=2, cols=3, specs=[[{"colspan": 3}, None, None], [{}, {}, {}]],
+                            subplot_titles=[f"Memory per rank by category ({unit}): measured "
+                                            "vs theory", "Step time (ms)",
+                                            "Throughput (samples/s, all ranks)",
+                                            "Communication per step (MB)"],
+                            vertical_spacing=0.18, horizontal_spacing=0.08)
+        groups, bars = [], []
+        for r in self.rows:
+            for rank, _ in enumerate(r.memory):
+                groups.append(r.label)
+                bars.append(f"rank {rank}")
+            if r.theory:
+                groups.append(r.label)
+                bars.append("theory")
+        for cat in MEASURED:
+            ys = []
+            for r in self.rows:
+                ys += [m.get(cat, 0) / size for m in r.memory]
+                if r.theory:
+                    ys.append(r.theory.get(cat, 0) / size)
+            if not any(ys):
+                continue
+            fig.add_trace(go.Bar(x=[groups, bars], y=ys, name=cat,
+                                 marker_color=CATEGORY_COLORS.get(cat),
+                                 hovertemplate=f"%{{x}}<br>{cat}: %{{y:.3g}} {unit}"
+                                               "<extra></extra>"), row=1, col=1)
+        labels = [r.label for r in self.rows]
+        fig.add_trace(go.Bar(x=labels, y=[(r.step_time or 0) * 1000 for r in self.rows],
+                             name="step time", showlegend=False, marker_color="#72B7B2"),
+                      row=2, col=1)
+        fig.add_trace(go.Bar(x=labels, y=[r.samples_per_s or 0 for r in self.rows],
+                             name="samples/s", showlegend=False, marker_color="#EECA3B"),
+                      row=2, col=2)
+        for op in sorted({op for r in self.rows for op in r.comm}):
+            fig.add_trace(go.Bar(x=labels, y=[r.comm.get(op, 0) / 2**20 for r in self.rows],
+                                 name=op, legendgroup="comm"), row=2, col=3)
+        fig.update_yaxes(title_text=unit, row=1, col=1)
+        fig.update_yaxes(title_text="ms", row=2, col=1)
+        fig.update_yaxes(title_text="samples/s", row=2, col=2)
+        fig.update_yaxes(title_text="MB per step", row=2, col=3)
+        fig.update_layout(barmode="stack", height=height, template="plotly_white",
+                          title={"text": self.takeaway(), "font": {"size": 13}},
+                          margin={"l": 50, "r": 20, "t": 70, "b": 40})
+        return fig
+
+    def bundles(self) -> list[dict]:
+        from .fallback import figure_bundle
+
+        out = [{"text/html": self.html(), "text/plain": str(self)}]
+        if self.rows:
+            out.append(figure_bundle(self.figure(), self.takeaway()))
+        return out
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        for bundle in self.bundles():
+            display(bundle, raw=True)
+
+
+def compare(*runs: Run, n_params: int | None = None, optimizer: str = "adam",
+            display: bool = True) -> Comparison:
+    """Compare finished runs: memory by category per rank beside theory, step time,
+    throughput, communication per step, and a one-line takeaway.
+
+    ``n_params``: the model's parameter count Ψ for the theory bars (default: derived
+    from a DDP run's measured parameter bytes, else an FSDP run's). ``display=False``
+    returns the ``Comparison`` without showing it (``.figure()``, ``.table()``,
+    ``.takeaway()``).
+    """
+    if len(runs) == 1 and isinstance(runs[0], (list, tuple)):
+        runs = tuple(runs[0])
+    if not runs:
+        raise ValueError("compare() needs at least one run: nbtrain.compare(run_a, run_b).")
+    unfinished = [r for r in runs if not getattr(r, "done", True)]
+    if unfinished:
+        raise ValueError(f"{len(unfinished)} run(s) are still going; compare finished runs "
+                         "(call run.wait() first).")
+    result = Comparison(list(runs), n_params=n_params, optimizer=optimizer)
+    if display:
+        try:
+            from IPython import get_ipython
+
+            if get_ipython() is not None:
+                result._ipython_display_()
+            else:
+                print(result)
+        except ImportError:
+            print(result)
+    return result

@@ -1,0 +1,122 @@
+"""Which view a run gets: the live widget, a static figure, text, or none.
+
+Detection is conservative: the widget only when the kernel is an ipykernel, the widget
+packages import, and a widget manager in the frontend has talked to this kernel (it
+opens ipywidgets' ``jupyter.widget.control`` comm when it connects: JupyterLab and
+Notebook 7 do; nbclient/nbconvert and plain kernels do not). Otherwise a static plotly
+figure refreshed through a display handle in a kernel, or text in a terminal.
+``NBTRAIN_DASHBOARD=widget|static|text|off`` overrides ``"auto"``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+MODES = ("widget", "static", "text")
+INSTALL = "pip install ipywidgets anywidget plotly"
+_warned: set[str] = set()
+
+
+def check_arg(dashboard) -> None:
+    """Fail at ``launch()`` for a value that is not a dashboard setting."""
+    if dashboard in (True, False, None, "auto", *MODES):
+        return
+    raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, False, "
+                     f"or force one view: {', '.join(map(repr, MODES))}.")
+
+
+def in_kernel() -> bool:
+    """True inside an ipykernel (a notebook, nbclient, VS Code, Colab)."""
+    shell = _shell()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def _shell():
+    if "IPython" not in sys.modules:
+        return None
+    try:
+        from IPython import get_ipython
+    except Exception:
+        return None
+    return get_ipython()
+
+
+def missing_widget_packages() -> list[str]:
+    missing = []
+    for name in ("ipywidgets", "anywidget", "plotly"):
+        try:
+            __import__(name)
+        except Exception:
+            missing.append(name)
+    return missing
+
+
+def widget_manager_connected() -> bool:
+    """A frontend widget manager opened the control comm on this kernel."""
+    widgets = sys.modules.get("ipywidgets")
+    if widgets is None:
+        try:
+            import ipywidgets as widgets
+        except Exception:
+            return False
+    return getattr(widgets.Widget, "_control_comm", None) is not None
+
+
+def has_plotly() -> bool:
+    try:
+        import plotly  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def choose_mode(dashboard="auto") -> str | None:
+    """``"widget"``, ``"static"``, ``"text"`` or ``None`` (no view) for ``dashboard``."""
+    check_arg(dashboard)
+    if dashboard is False or dashboard is None:
+        return None
+    if dashboard in (True, "auto"):
+        forced = os.environ.get("NBTRAIN_DASHBOARD", "").strip().lower()
+        if forced in ("off", "false", "0", "none"):
+            return None
+        if forced in MODES:
+            dashboard = forced
+    if dashboard == "widget":
+        missing = missing_widget_packages()
+        if not missing:
+            return "widget"
+        _warn_once(f"the live dashboard needs {', '.join(missing)}: {INSTALL}. Showing a "
+                   "static view instead.")
+        dashboard = "static"
+    if dashboard == "static":
+        if has_plotly() and _shell() is not None:
+            return "static"
+        if not has_plotly():
+            _warn_once(f"the static dashboard needs plotly: {INSTALL}. Showing text instead.")
+        return "text"
+    if dashboard == "text":
+        return "text"
+    return detect()
+
+
+def detect() -> str:
+    if not in_kernel():
+        return "text"
+    if not has_plotly():
+        _warn_once(f"nbtrain's dashboard needs plotly: {INSTALL}. Showing text progress.")
+        return "text"
+    if widget_manager_connected():
+        missing = missing_widget_packages()
+        if not missing:
+            return "widget"
+        _warn_once(f"the live dashboard needs {', '.join(missing)}: {INSTALL}. Showing a "
+                   "static view instead.")
+    return "static"
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)

@@ -1,0 +1,198 @@
+"""``nbtrain.StrategyPicker(fn, devices=2)``: choose a strategy, run it, watch it, compare.
+
+A dropdown of the registered strategies (its description below it, with the options that
+apply: mixed precision, CPU offload), Run and Stop buttons, the live dashboard of the
+current run and the comparison of every run made here. Runs go in the background, so
+the buttons stay live; the dropdown only matters when Run is pressed, so changing it
+during a run does not touch that run. The comparison is a static figure in an Output
+widget (appended, never drawn from a ``with`` block), so the page holds one live figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .. import strategies
+from .compare import Comparison
+
+if TYPE_CHECKING:
+    from ..run import Run
+
+PRECISIONS = [("fp32", None), ("bf16 mixed", "bf16"), ("fp16 mixed", "fp16")]
+
+
+class StrategyPicker:
+    def __init__(self, fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = "auto",
+                 strategies_shown: list[str] | None = None, display: bool = True,
+                 **kwargs: Any):
+        if not callable(fn):
+            raise TypeError(f"StrategyPicker() takes the training function first; got "
+                            f"{type(fn).__name__}.")
+        from .dashboard import require_widgets
+
+        widgets = require_widgets()
+        names = strategies_shown or strategies.names()
+        unknown = [n for n in names if n not in strategies.names()]
+        if unknown:
+            raise ValueError(f"unknown strategies {unknown}; known: {strategies.names()}.")
+        self.fn, self.args, self.kwargs, self.devices = fn, args, kwargs, devices
+        self.runs: list[Run] = []  # every run started here, in order
+        self.run: Run | None = None  # the current (or last) one
+        self.dashboard = None
+        self._compared = threading.Event()  # set once the comparison shows the last run
+        self._compared.set()
+        self._descriptions = strategies.describe()
+        self.dropdown = widgets.Dropdown(options=names, value=names[0], description="strategy")
+        self.precision = widgets.Dropdown(options=PRECISIONS, value=None,
+                                          description="precision")
+        self.offload = widgets.Checkbox(value=False, description="offload to CPU", indent=False)
+        self.run_button = widgets.Button(description="Run", button_style="success", icon="play")
+        self.stop_button = widgets.Button(description="Stop", button_style="danger",
+                                          icon="stop", disabled=True)
+        self.description = widgets.HTML()
+        self.message = widgets.HTML()
+        self.live = widgets.VBox([])
+        self.comparison_text = widgets.HTML()
+        self.comparison_figure = widgets.Output()
+        self.widget = widgets.VBox([
+            widgets.HBox([self.dropdown, self.precision, self.offload, self.run_button,
+                          self.stop_button]),
+            self.description, self.message, self.live,
+            widgets.HTML("<b>Comparison of the runs made here</b>"),
+            self.comparison_text, self.comparison_figure])
+        self.widget.add_class("nbtrain-picker")
+        self.dropdown.observe(lambda _: self._describe(), names="value")
+        self.run_button.on_click(lambda _: self._click_run())
+        self.stop_button.on_click(lambda _: self._click_stop())
+        self._describe()
+        if display:
+            from IPython.display import display as show
+
+            show(self.widget)
+
+    # -- actions -----------------------------------------------------------------------
+    def start(self, strategy: str | None = None) -> Run:
+        """Start a run of the chosen (or given) strategy in the background; returns it."""
+        if self.run is not None and not self.run.done:
+            raise RuntimeError("a run is going; press Stop (or picker.stop()) before "
+                               "starting another.")
+        from ..launch import launch
+        from .dashboard import Dashboard
+
+        name = strategy or self.dropdown.value
+        if strategy is not None and strategy in self.dropdown.options:
+            self.dropdown.value = strategy
+        chosen = strategies.get(name, **self._options(name))
+        dashboard = Dashboard(display=False)
+        run = launch(self.fn, *self.args, devices=self.devices, strategy=chosen,
+                     background=True, dashboard=False, sinks=[dashboard], **self.kwargs)
+        dashboard.bind(run)
+        self.run, self.dashboard = run, dashboard
+        self.runs.append(run)
+        self.live.children = [dashboard.widget]
+        self.stop_button.disabled = False
+        self.message.value = ""
+        self._compared = threading.Event()
+        threading.Thread(target=self._watch, args=(run,), name="nbtrain-picker",
+                         daemon=True).start()
+        return run
+
+    def stop(self) -> None:
+        """Stop the current run (it stays in the comparison with what it logged)."""
+        if self.run is not None:
+            self.run.stop(reason="stopped from the strategy picker")
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the current run ends and the comparison shows it."""
+        run = self.run
+        if run is None:
+            return
+        try:
+            run.wait(timeout)
+        except Exception:
+            pass
+        self._compared.wait(timeout)
+
+    def comparison(self) -> Comparison | None:
+        done = [r for r in self.runs if r.done and len(r.history)]
+        return Comparison(done) if done else None
+
+    # -- widget plumbing ---------------------------------------------------------------
+    def _options(self, name: str) -> dict:
+        options: dict[str, Any] = {}
+        fields = self._fields(name)
+        if "mixed_precision" in fields and self.precision.value is not None:
+            options["mixed_precision"] = self.precision.value
+        if "offload" in fields and self.offload.value:
+            options["offload"] = True
+        return options
+
+    @staticmethod
+    def _fields(name: str) -> set[str]:
+        try:
+            return {f.name for f in dataclasses.fields(strategies.get(name))}
+        except Exception:
+            return set()
+
+    def _describe(self) -> None:
+        name = self.dropdown.value
+        fields = self._fields(name)
+        self.offload.disabled = "offload" not in fields
+        self.precision.disabled = "mixed_precision" not in fields
+        self.description.value = (f'<div style="font-size:13px;color:#444"><b>{html.escape(name)}'
+                                  f"</b>: {html.escape(self._descriptions.get(name, ''))}</div>")
+
+    def _click_run(self) -> None:
+        try:
+            self.start()
+        except Exception as err:
+            self.message.value = (f'<div style="color:#b71c1c">Could not start: '
+                                  f"{html.escape(type(err).__name__)}: {html.escape(str(err))}</div>")
+
+    def _click_stop(self) -> None:
+        self.stop_button.disabled = True
+        threading.Thread(target=self.stop, name="nbtrain-picker-stop", daemon=True).start()
+
+    def _watch(self, run: Run) -> None:
+        try:
+            run.wait()
+        except BaseException:
+            pass  # the dashboard shows the failure; the picker stays usable
+        try:
+            self.stop_button.disabled = True
+            self._show_comparison()
+        finally:
+            self._compared.set()
+
+    def _show_comparison(self) -> None:
+        comparison = self.comparison()
+        if comparison is None:
+            return
+        self.comparison_text.value = comparison.html()
+        bundles = comparison.bundles()[1:]
+        self.comparison_figure.outputs = ()
+        for bundle in bundles:
+            self.comparison_figure.append_display_data(_Raw(bundle))
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display as show
+
+        show(self.widget)
+
+    def __repr__(self) -> str:
+        return (f"<StrategyPicker {getattr(self.fn, '__name__', 'fn')} "
+                f"strategy={self.dropdown.value} runs={len(self.runs)}>")
+
+
+class _Raw:
+    """A display bundle for ``Output.append_display_data`` (which calls the formatter)."""
+
+    def __init__(self, bundle: dict):
+        self.bundle = bundle
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return self.bundle

@@ -1,0 +1,171 @@
+"""What a dashboard draws, kept up to date from a run's events in O(1) per event.
+
+``LiveState`` is plain data: per-rank series (bounded, see ``_throttle.Series``), the
+latest memory by category, communication per step by op, status per rank and errors. It
+can be rebuilt from a recorded history (``from_history``) so finished runs, tests and the
+live view share one drawing path.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ..telemetry.events import Comm, Event, Lifecycle, Memory, Metric, Step
+from ._throttle import Series
+
+if TYPE_CHECKING:
+    from ..run import Run
+
+_LIFECYCLE = {"started": "running", "finished": "done", "failed": "failed"}
+
+
+class LiveState:
+    def __init__(self, world_size: int = 1, max_points: int = 400):
+        self.world_size = world_size
+        self.max_points = max_points
+        self.lock = threading.Lock()
+        self.metrics: dict[tuple[str, int], Series] = {}  # (name, rank) -> value by step
+        self.step_ms: dict[int, Series] = {}  # rank -> ms by step
+        self.rate: dict[int, Series] = {}  # rank -> samples/s by step
+        self.steps: dict[int, int] = {}
+        self.samples: dict[int, int] = {}
+        self.busy: dict[int, float] = {}  # seconds spent in timed steps
+        self.memory: dict[int, dict[str, int]] = {}  # latest bytes by category
+        self.comm: dict[str, Series] = {}  # op -> MB per step, first rank that reports
+        self.comm_rank: int | None = None
+        self.status: dict[int, str] = dict.fromkeys(range(world_size), "starting")
+        self.errors: dict[int, str] = {}
+        self.last_metrics: dict[int, dict[str, float]] = {}
+        self.outcome: str | None = None  # the run's status once it ended
+        self.error: str | None = None  # the run's error message once it ended
+        self.started_at = time.monotonic()
+        self.ended_at: float | None = None
+        self.info: dict[str, str] = {}  # strategy, devices, start method
+        self.events = 0
+        self.version = 0
+
+    # -- building ----------------------------------------------------------------------
+    def update(self, events: list[Event]) -> None:
+        with self.lock:
+            for e in events:
+                self._one(e)
+            self.events += len(events)
+            self.version += 1
+
+    def _one(self, e: Event) -> None:
+        rank = e.rank
+        if rank >= self.world_size:
+            self.world_size = rank + 1
+        if isinstance(e, Metric):
+            last = self.last_metrics.setdefault(rank, {})
+            for name, value in e.values.items():
+                series = self.metrics.get((name, rank))
+                if series is None:
+                    series = self.metrics[(name, rank)] = Series(self.max_points)
+                series.append(e.step, value)
+                last[name] = value
+        elif isinstance(e, Step):
+            self.steps[rank] = self.steps.get(rank, 0) + 1
+            if self.steps[rank] == 1:
+                return  # the first step includes the warm-up; leave it out of the curves
+            self.step_ms.setdefault(rank, Series(self.max_points)).append(
+                e.step, e.duration * 1000)
+            if e.duration > 0 and e.samples:
+                self.rate.setdefault(rank, Series(self.max_points)).append(
+                    e.step, e.samples / e.duration)
+            self.samples[rank] = self.samples.get(rank, 0) + e.samples
+            self.busy[rank] = self.busy.get(rank, 0.0) + e.duration
+        elif isinstance(e, Memory):
+            self.memory[rank] = dict(e.values)
+        elif isinstance(e, Comm):
+            if self.comm_rank is None:
+                self.comm_rank = rank
+            if rank != self.comm_rank:
+                return  # collectives are symmetric: one rank's view is enough to draw
+            for op in set(self.comm) | set(e.bytes):
+                self.comm.setdefault(op, Series(self.max_points)).append(
+                    e.step, e.bytes.get(op, 0) / 2**20)
+        elif isinstance(e, Lifecycle):
+            self.status[rank] = _LIFECYCLE.get(e.state, e.state)
+            if e.state == "failed" and e.detail:
+                self.errors[rank] = e.detail
+
+    def bind(self, run: Run) -> None:
+        """Take the run's facts for the header (strategy, devices, start method)."""
+        with self.lock:
+            self._bind(run)
+            self.version += 1
+
+    def finish(self, run: Run) -> None:
+        """The run ended: take its final status per rank and its error."""
+        with self.lock:
+            self._bind(run)
+            self.status.update(run.rank_status)
+            self.outcome = run.status
+            self.ended_at = run.ended_at or time.monotonic()
+            if run.error is not None:
+                self.error = f"{type(run.error).__name__}: {run.error}"
+                rank = getattr(run.error, "rank", None)
+                if isinstance(rank, int) and rank not in self.errors:
+                    self.errors[rank] = str(run.error)
+            self.version += 1
+
+    def _bind(self, run: Run) -> None:
+        self.world_size = max(self.world_size, run.world_size)
+        for rank in range(run.world_size):
+            self.status.setdefault(rank, "starting")
+        self.started_at = run.started_at
+        self.info = run_info(run)
+
+    @classmethod
+    def from_run(cls, run: Run, max_points: int = 400) -> LiveState:
+        state = cls(run.world_size, max_points)
+        state.update(run.history.events())
+        state.bind(run)
+        if run.done:
+            state.finish(run)
+        return state
+
+    # -- reading -----------------------------------------------------------------------
+    @property
+    def elapsed(self) -> float:
+        return (self.ended_at or time.monotonic()) - self.started_at
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(self.world_size))
+
+    @property
+    def metric_names(self) -> list[str]:
+        return list(dict.fromkeys(name for name, _ in self.metrics))
+
+    def samples_per_s(self, rank: int) -> float | None:
+        busy = self.busy.get(rank, 0.0)
+        return self.samples.get(rank, 0) / busy if busy > 0 and self.samples.get(rank) else None
+
+    def progress_line(self) -> str:
+        """One line: status, steps, throughput, last loss, elapsed — the text fallback."""
+        status = self.outcome or ("running" if "running" in self.status.values() else
+                                  "starting")
+        steps = max(self.steps.values(), default=0)
+        rate = sum(r for k in self.ranks if (r := self.samples_per_s(k)))
+        parts = [f"nbtrain {self.info.get('strategy', '')} ×{self.world_size}: {status}",
+                 f"step {steps}"]
+        if rate:
+            parts.append(f"{rate:,.0f} samples/s")
+        last = self.last_metrics.get(0) or next(iter(self.last_metrics.values()), {})
+        for name, value in list(last.items())[:2]:
+            parts.append(f"{name} {value:.4g}")
+        parts.append(f"{self.elapsed:.1f}s")
+        failed = [f"rank {r} failed" for r, s in sorted(self.status.items()) if s == "failed"]
+        return " | ".join(parts + failed)
+
+
+def run_info(run: Run) -> dict[str, str]:
+    strategy = run.strategy.summary() if hasattr(run.strategy, "summary") else str(run.strategy)
+    where = (f"{run.world_size} × {run.accelerator}" +
+             (f" {list(run.devices)}" if run.accelerator == "cuda" else ""))
+    return {"strategy": strategy, "devices": where, "start_method": run.start_method,
+            "fn": run.fn_name}

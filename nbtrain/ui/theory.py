@@ -1,0 +1,121 @@
+"""Bytes of model state one rank holds, as theory predicts — the ZeRO tables.
+
+For Ψ parameters trained in fp32 with Adam (two fp32 moments), every rank of DDP keeps
+4Ψ bytes of parameters, 4Ψ of gradients and 8Ψ of optimizer state. Sharding over N ranks
+divides what is sharded by N:
+
+    strategy            params    grads     optimizer   (ZeRO stage)
+    ddp                 4Ψ        4Ψ        8Ψ          0
+    zero1               4Ψ        4Ψ        8Ψ/N        1
+    fsdp_grad_op        4Ψ        4Ψ/N      8Ψ/N        2
+    fsdp                4Ψ/N      4Ψ/N      8Ψ/N        3
+    fsdp_hybrid         divide by the shard group's size instead of N
+    fsdp_offload        ~0 on the GPU: the sharded state lives in CPU memory
+
+What a measurement shows differs from the table, on purpose or by nature (see
+``FOOTNOTE``): FSDP pads each shard to a multiple of N, keeps the root module's own
+parameters in the root unit, and gathers whole parameters for a while during each step;
+nbtrain's ``fsdp_grad_op`` (FSDP2 with ``reshard_after_forward=False``) stores its
+parameters sharded between steps and keeps the gathered copy only from forward to
+backward, so the bytes measured after the optimizer step are 4Ψ/N, the ZeRO-2 row is the
+in-step figure. DDP also keeps gradient buckets (about the size of the gradients) that
+are not counted here.
+"""
+
+from __future__ import annotations
+
+# Bytes per parameter of (params, grads) for a precision; the optimizer's states are
+# kept in the parameters' dtype.
+_PRECISION_BYTES = {"fp32": 4, "mixed": 4, "bf16": 2, "fp16": 2}
+# Optimizer states per parameter.
+_OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "rmsprop": 1,
+                     "adagrad": 1}
+
+# strategy name -> which of params, grads, optimizer are divided by the shard count.
+_SHARDED = {
+    "single": (False, False, False),
+    "ddp": (False, False, False),
+    "ddp_notebook": (False, False, False),
+    "ddp_spawn": (False, False, False),
+    "zero1": (False, False, True),
+    "zero2": (False, True, True),
+    "fsdp_grad_op": (False, True, True),
+    "zero3": (True, True, True),
+    "fsdp": (True, True, True),
+    "fsdp_hybrid": (True, True, True),
+    "fsdp_offload": (True, True, True),
+}
+
+CATEGORIES = ("params", "grads", "optimizer")
+
+FOOTNOTE = (
+    "Theory: fp32 master weights with Adam: 4Ψ params + 4Ψ grads + 8Ψ optimizer state per "
+    "rank, what is sharded divided by N (ZeRO stages 1-3). Measured after each optimizer "
+    "step from the tensors themselves. They differ because FSDP pads shards to a multiple "
+    "of N and keeps the root's own parameters in one unit; fsdp_grad_op stores params "
+    "sharded between steps and holds the whole copy only from forward to backward (the "
+    "theory bar is that in-step figure); DDP's gradient buckets and activations are not "
+    "model state; fsdp_offload keeps the sharded state in CPU memory.")
+
+
+def known() -> list[str]:
+    return list(_SHARDED)
+
+
+def theoretical_bytes(strategy_name: str, n_params: int, world_size: int,
+                      optimizer: str = "adam", precision: str = "fp32",
+                      shard_size: int | None = None) -> dict[str, float]:
+    """``{"params", "grads", "optimizer"}``: bytes one rank holds in theory.
+
+    Args:
+        strategy_name: a strategy name (``known()``), e.g. ``"ddp"``, ``"fsdp"``.
+        n_params: Ψ, the model's parameter count.
+        world_size: N, the number of ranks.
+        optimizer: ``"adam"``/``"adamw"`` (2 states), ``"sgd"`` (none),
+            ``"sgd_momentum"``, ``"rmsprop"``, ``"adagrad"`` (1 state).
+        precision: ``"fp32"`` or ``"mixed"`` (fp32 master weights; 4 bytes), ``"bf16"``
+            or ``"fp16"`` (parameters stored in half precision; 2 bytes).
+        shard_size: ranks per shard group for ``fsdp_hybrid`` (default: the largest
+            proper divisor of N, as nbtrain's hybrid strategy picks).
+    """
+    name = strategy_name.lower() if isinstance(strategy_name, str) else strategy_name
+    if name not in _SHARDED:
+        raise ValueError(f"no theory for strategy {strategy_name!r}; known: "
+                         f"{', '.join(_SHARDED)}.")
+    if isinstance(n_params, bool) or not isinstance(n_params, int) or n_params < 0:
+        raise TypeError(f"n_params={n_params!r} must be a parameter count (int >= 0).")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be an int >= 1.")
+    if optimizer not in _OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r}; known: {', '.join(_OPTIMIZER_STATES)}.")
+    if precision not in _PRECISION_BYTES:
+        raise ValueError(f"precision={precision!r}; known: {', '.join(_PRECISION_BYTES)}.")
+    width = _PRECISION_BYTES[precision]
+    full = {"params": width * n_params, "grads": width * n_params,
+            "optimizer": _OPTIMIZER_STATES[optimizer] * width * n_params}
+    if name == "fsdp_offload":
+        return dict.fromkeys(CATEGORIES, 0.0)
+    shards = world_size
+    if name == "fsdp_hybrid":
+        shards = shard_size or max([d for d in range(1, world_size) if world_size % d == 0]
+                                   or [1])
+        if world_size % shards:
+            raise ValueError(f"shard_size={shards} must divide world_size={world_size}.")
+    return {cat: full[cat] / shards if sharded else float(full[cat])
+            for cat, sharded in zip(CATEGORIES, _SHARDED[name], strict=True)}
+
+
+def n_params_from_memory(strategy_name: str, params_bytes_per_rank: list[int],
+                         precision: str = "fp32") -> int | None:
+    """Ψ from measured parameter bytes: a replicated strategy's (DDP) bytes on one rank,
+    or the sum of a sharded strategy's local shards over ranks (padding makes this a
+    slight overestimate), divided by the bytes per parameter. None when it cannot tell."""
+    name = strategy_name.lower()
+    if name not in _SHARDED or not params_bytes_per_rank or name == "fsdp_offload":
+        return None
+    width = _PRECISION_BYTES.get(precision, 4)
+    if not _SHARDED[name][0]:
+        return round(params_bytes_per_rank[0] / width)
+    if name == "fsdp_hybrid":
+        return None  # replicas hold the same shards; the sum would count them twice
+    return round(sum(params_bytes_per_rank) / width)
