@@ -59,9 +59,10 @@ class Series:
         self._pending = 0
         self.x.append(x)
         self.y.append(y)
-        if len(self.x) >= 2 * self.max_points:
+        if len(self.x) >= 2 * self.max_points:  # an even count: the newest kept point goes
             self.x = self.x[::2]
             self.y = self.y[::2]
+            self._pending = self.stride  # points since the newest point still kept
             self.stride *= 2
 
     def points(self) -> tuple[list[float], list[float]]:

@@ -48,7 +48,7 @@ def progress_parts(state: LiveState, total_steps: int | None = None) -> list[str
 
 def header_html(state: LiveState, total_steps: int | None = None) -> str:
     """Call with ``state.lock`` held or on a state no one updates."""
-    overall = state.outcome or ("running" if "running" in state.status.values() else "starting")
+    overall = state.overall
     badges = "".join(_badge(f"rank {r}: {state.status.get(r, 'starting')}",
                             state.status.get(r, "starting")) for r in state.ranks)
     info = state.info

@@ -145,10 +145,21 @@ class LiveState:
         busy = self.busy.get(rank, 0.0)
         return self.samples.get(rank, 0) / busy if busy > 0 and self.samples.get(rank) else None
 
+    @property
+    def overall(self) -> str:
+        """The run's status: its outcome once ended, else what the ranks say."""
+        if self.outcome:
+            return self.outcome
+        states = set(self.status.values())
+        if "failed" in states:
+            return "failed"
+        if states and states <= {"done"}:
+            return "done"
+        return "running" if "running" in states or "done" in states else "starting"
+
     def progress_line(self) -> str:
         """One line: status, steps, throughput, last loss, elapsed — the text fallback."""
-        status = self.outcome or ("running" if "running" in self.status.values() else
-                                  "starting")
+        status = self.overall
         steps = max(self.steps.values(), default=0)
         rate = sum(r for k in self.ranks if (r := self.samples_per_s(k)))
         parts = [f"nbtrain {self.info.get('strategy', '')} ×{self.world_size}: {status}",

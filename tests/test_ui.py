@@ -1,0 +1,255 @@
+"""The UI's pieces that need no browser: downsampling, throttling, the theory, figures
+built from recorded events and histories, the views' fallbacks, and the comparison of
+real 2-rank runs."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from workloads import fail_on, param_count, train
+
+import nbtrain
+from nbtrain.telemetry.events import Comm, Lifecycle, Memory, Metric, Step
+from nbtrain.ui import compare, frontend
+from nbtrain.ui._throttle import Series, Throttle, downsample
+from nbtrain.ui.dashboard import Dashboard
+from nbtrain.ui.fallback import PLOTLY_MIME, StaticView, TextView, figure_bundle
+from nbtrain.ui.figures import build_figure, trace_specs
+from nbtrain.ui.state import LiveState
+from nbtrain.ui.theory import n_params_from_memory, theoretical_bytes
+
+EVERY_STEP = nbtrain.Telemetry(memory_every=1)
+
+
+def recorded(steps=50, ranks=2, fail_rank=None):
+    """Events as two ranks of a small DDP run send them (hand-written, no launcher)."""
+    events = []
+    for rank in range(ranks):
+        events.append(Lifecycle(rank, 0, 0.0, "started"))
+        for step in range(steps):
+            t = 0.01 * step
+            events.append(Step(rank, step, t, duration=0.01, samples=16))
+            events.append(Metric(rank, step, t, {"loss": 1.0 / (step + 1), "acc": step / steps}))
+            events.append(Comm(rank, step, t, {"all_reduce": 1}, {"all_reduce": 4096}))
+            if step % 10 == 0:
+                events.append(Memory(rank, step, t, {"params": 4000, "grads": 4000,
+                                                     "optimizer": 8000}))
+        if rank == fail_rank:
+            events.append(Lifecycle(rank, steps, 1.0, "failed",
+                                    "Traceback ...\nValueError: bad batch on purpose"))
+        else:
+            events.append(Lifecycle(rank, steps, 1.0, "finished"))
+    return events
+
+
+# -- throttling and downsampling -------------------------------------------------------
+def test_downsample_keeps_ends_and_bound():
+    xs = list(range(10_000))
+    x, y = downsample(xs, [v * 2 for v in xs], 100)
+    assert len(x) <= 100 and x[0] == 0 and x[-1] == 9_999 and y[-1] == 19_998
+    assert downsample([1, 2], [3, 4], 100) == ([1, 2], [3, 4])
+    with pytest.raises(ValueError, match="max_points"):
+        downsample(xs, xs, 1)
+
+
+def test_series_stays_bounded_and_shows_the_newest_point():
+    s = Series(max_points=50)
+    for i in range(100_000):
+        s.append(i, float(i))
+        assert len(s.x) < 100
+    x, y = s.points()
+    assert len(x) <= 101 and x[0] == 0 and x[-1] == 99_999 and s.count == 100_000
+    assert x == sorted(x) and len(set(x)) == len(x)
+    gaps = {b - a for a, b in zip(x[:-2], x[1:-1], strict=True)}
+    assert len(gaps) == 1  # evenly thinned
+
+
+def test_throttle_allows_one_draw_per_interval():
+    now = [0.0]
+    t = Throttle(0.1, clock=lambda: now[0])
+    allowed = 0
+    for _ in range(1000):  # 1 s in 1 ms ticks
+        allowed += t.ready()
+        now[0] += 0.001
+    assert 9 <= allowed <= 11
+    with pytest.raises(ValueError, match="seconds"):
+        Throttle(-1)
+
+
+# -- theory ----------------------------------------------------------------------------
+def test_theory_follows_the_zero_table():
+    n, w = 1000, 4
+    assert theoretical_bytes("ddp", n, w) == {"params": 4000, "grads": 4000, "optimizer": 8000}
+    assert theoretical_bytes("zero1", n, w) == {"params": 4000, "grads": 4000, "optimizer": 2000}
+    assert theoretical_bytes("fsdp_grad_op", n, w) == {"params": 4000, "grads": 1000,
+                                                       "optimizer": 2000}
+    assert theoretical_bytes("fsdp", n, w) == {"params": 1000, "grads": 1000, "optimizer": 2000}
+    assert theoretical_bytes("fsdp_hybrid", n, w) == {"params": 2000, "grads": 2000,
+                                                      "optimizer": 4000}  # shard groups of 2
+    assert theoretical_bytes("fsdp_hybrid", n, 8, shard_size=8)["params"] == 500
+    assert sum(theoretical_bytes("fsdp_offload", n, w).values()) == 0
+    assert theoretical_bytes("ddp", n, 1, optimizer="sgd")["optimizer"] == 0
+    assert theoretical_bytes("ddp", n, 1, precision="bf16")["params"] == 2000
+    with pytest.raises(ValueError, match="known"):
+        theoretical_bytes("pipeline", n, w)
+    with pytest.raises(TypeError, match="n_params"):
+        theoretical_bytes("ddp", 1.5, w)
+    with pytest.raises(ValueError, match="shard_size"):
+        theoretical_bytes("fsdp_hybrid", n, 6, shard_size=4)
+
+
+def test_parameter_count_from_measured_bytes():
+    assert n_params_from_memory("ddp", [4000, 4000]) == 1000
+    assert n_params_from_memory("fsdp", [2000, 2004]) == 1001  # padding: a little high
+    assert n_params_from_memory("fsdp_hybrid", [2000, 2000]) is None
+    assert n_params_from_memory("unknown", [4000]) is None
+
+
+# -- figures from recorded events --------------------------------------------------------
+def test_figure_contents_from_events():
+    state = LiveState(2)
+    state.update(recorded(steps=50))
+    specs = {s.key: s for s in trace_specs(state)}
+    assert {"metric:loss:0", "metric:loss:1", "metric:acc:0", "step_time:0", "rate:1",
+            "memory:params", "memory:grads", "memory:optimizer", "comm:all_reduce"} <= set(specs)
+    assert "cuda:cuda_allocated" not in specs  # nothing CUDA on CPU
+    loss = specs["metric:loss:0"].data
+    assert loss["x"][0] == 0 and loss["y"][0] == 1.0 and loss["x"][-1] == 49
+    assert specs["memory:params"].data == {"x": ["rank 0", "rank 1"],
+                                           "y": [4000 / 2**20, 4000 / 2**20]}
+    assert len(specs["step_time:0"].data["x"]) == 49  # the warm-up step is left out
+    assert specs["step_time:0"].data["y"][0] == pytest.approx(10.0)
+    fig = build_figure(state)
+    assert fig.layout.barmode == "stack"
+    titles = {a.text for a in fig.layout.annotations}
+    assert {"Logged metrics (ctx.log)", "Model state per rank", "Communication per step"} <= titles
+    assert state.status == {0: "done", 1: "done"}
+    assert state.samples_per_s(0) == pytest.approx(1600)
+
+
+def test_long_runs_send_bounded_traces():
+    state = LiveState(2, max_points=100)
+    state.update(recorded(steps=5000))
+    for spec in trace_specs(state):
+        assert len(spec.data["x"]) <= 201, spec.key
+
+
+def test_dashboard_without_display_draws_batched_and_shows_failure():
+    dash = Dashboard(display=False, world_size=2)
+    dash.on_events(recorded(steps=30, fail_rank=1))
+    dash.close(None)
+    names = {t.name for t in dash.figure.data}
+    assert {"loss r0", "loss r1", "params", "all_reduce"} <= names
+    assert 0 < dash.points() <= 1000
+    assert "rank 1: failed" in dash.header.value and "#e53935" in dash.header.value
+    assert "bad batch on purpose" in dash.errors.value
+    assert "failed" in repr(dash)
+    before = dash.comm_messages
+    dash.draw(final=True)  # nothing changed: nothing is sent
+    assert dash.comm_messages == before
+
+
+def test_dashboard_redraws_at_most_every_interval():
+    import time
+
+    dash = Dashboard(display=False, world_size=2)
+    events = recorded(steps=400)
+    start = time.monotonic()
+    for i in range(0, len(events), 20):  # many small batches, as a busy run sends them
+        dash.on_events(events[i:i + 20])
+        time.sleep(0.002)
+    elapsed = time.monotonic() - start
+    dash.close(None)
+    assert dash.draws <= elapsed / Dashboard.interval + 3, (dash.draws, elapsed)
+
+
+def test_text_view_writes_progress_lines():
+    out = io.StringIO()
+    view = TextView(display=False, world_size=2, stream=out)
+    view.on_events(recorded(steps=20))
+    view.close(None)
+    text = out.getvalue()
+    assert "step 20" in text and "loss" in text and "done" in text
+
+
+def test_static_view_bundle_has_plotly_mimetype():
+    view = StaticView(display=False, world_size=2)
+    view.on_events(recorded(steps=10))
+    view.close(None)
+    header, fig = view.bundles()
+    assert "rank 0: done" in header["text/html"] and "step 10" in header["text/plain"]
+    assert fig[PLOTLY_MIME]["data"] and "text/plain" in fig
+    assert figure_bundle(build_figure(view.state), "x")["text/plain"] == "x"
+
+
+# -- choosing a view -----------------------------------------------------------------------
+def test_fallback_selection(monkeypatch):
+    monkeypatch.delenv("NBTRAIN_DASHBOARD", raising=False)
+    assert frontend.choose_mode(False) is None
+    assert frontend.choose_mode("text") == "text"
+    assert frontend.choose_mode("auto") == "text"  # no kernel here: a terminal
+    assert frontend.choose_mode("static") == "text"  # no IPython to display into
+    assert frontend.choose_mode("widget") == "widget"  # forced, and the packages are here
+    monkeypatch.setenv("NBTRAIN_DASHBOARD", "off")
+    assert frontend.choose_mode("auto") is None
+    assert frontend.choose_mode("text") == "text"  # explicit beats the environment
+    with pytest.raises(ValueError, match="'static'"):
+        frontend.choose_mode("fancy")
+
+
+def test_missing_package_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(frontend, "missing_widget_packages", lambda: ["anywidget"])
+    frontend._warned.clear()
+    with pytest.warns(UserWarning, match="pip install"):
+        assert frontend.choose_mode("widget") == "text"
+
+
+def test_launch_rejects_a_bad_dashboard_value():
+    with pytest.raises(ValueError, match="dashboard="):
+        nbtrain.launch(train, devices=2, dashboard="fancy")
+
+
+# -- real runs -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runs():
+    return {s: nbtrain.launch(train, devices=2, strategy=s, telemetry=EVERY_STEP,
+                              dashboard=False) for s in ("ddp", "fsdp")}
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_compare_real_runs_beside_theory(runs):
+    c = compare(runs["ddp"], runs["fsdp"], display=False)
+    assert c.n_params == param_count()  # from DDP's parameter bytes
+    ddp, fsdp = c.rows
+    assert ddp.theory == {"params": 4 * c.n_params, "grads": 4 * c.n_params,
+                          "optimizer": 8 * c.n_params}
+    assert ddp.memory[0]["params"] == ddp.theory["params"]
+    assert fsdp.memory[1]["optimizer"] == pytest.approx(fsdp.theory["optimizer"], rel=0.02)
+    assert "fsdp holds 2.0× less model state per rank than ddp" in c.takeaway()
+    fig = c.figure()
+    bars = [t for t in fig.data if t.name == "params"][0]
+    assert list(bars.x[1]) == ["rank 0", "rank 1", "theory"] * 2
+    assert {"ddp", "fsdp"} == set(bars.x[0])
+    assert "KB" in fig.layout.yaxis.title.text
+    assert "all_reduce" in {t.name for t in fig.data}
+    assert "theory/rank" in str(c)
+    with pytest.raises(ValueError, match="at least one"):
+        compare(display=False)
+
+
+def test_summary_dashboard_from_a_recorded_history(runs):
+    state = LiveState.from_run(runs["fsdp"])
+    assert state.outcome == "done" and state.info["strategy"] == "fsdp"
+    keys = {s.key for s in trace_specs(state)}
+    assert "comm:all_gather" in keys or any(k.startswith("comm:") for k in keys)
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_failure_is_drawn_before_the_error_reaches_the_caller():
+    dash = Dashboard(display=False)
+    with pytest.raises(nbtrain.WorkerError):
+        nbtrain.launch(fail_on, "raise", devices=2, dashboard=False, sinks=[dash])
+    assert dash.closed
+    assert "rank 1: failed" in dash.header.value
+    assert "bad batch on purpose" in dash.errors.value
