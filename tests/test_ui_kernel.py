@@ -1,0 +1,90 @@
+"""The dashboard in a real kernel (jupyter_client, no widget manager, as under nbclient):
+the automatic choice is the static view, and a forced live widget keeps its comm
+messages within budget."""
+
+from __future__ import annotations
+
+import time
+from queue import Empty
+
+import pytest
+
+pytestmark = pytest.mark.kernel
+
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+COMM_BUDGET_PER_S = 30  # the dashboard's own budget; the server drops above ~1000/s
+
+
+def messages(kernel, code: str, timeout: float = 180) -> tuple[list[dict], float]:
+    """Every iopub message of one cell, and the seconds it ran."""
+    msg_id = kernel.submit(code)
+    out, start = [], time.monotonic()
+    deadline = start + timeout
+    while time.monotonic() < deadline:
+        try:
+            msg = kernel.kc.get_iopub_msg(timeout=1)
+        except Empty:
+            continue
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        out.append(msg)
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return out, time.monotonic() - start
+    raise TimeoutError(f"the cell did not finish in {timeout}s")
+
+
+def _errors(msgs):
+    return [m["content"] for m in msgs if m["msg_type"] == "error"]
+
+
+@pytest.fixture(scope="module")
+def setup(kernel):
+    reply = kernel.run("from workloads import log_many, train, fail_on")
+    assert reply.error is None, reply.error
+    return kernel
+
+
+def test_auto_is_static_without_a_widget_manager(setup, kernel_clean):
+    msgs, seconds = messages(setup, "run = nbtrain.launch(log_many, devices=2, steps=400)")
+    assert not _errors(msgs), _errors(msgs)
+    kinds = [m["msg_type"] for m in msgs]
+    assert "comm_open" not in kinds  # no widget where nothing can render one
+    shown = [m for m in msgs if m["msg_type"] == "display_data"]
+    assert any(PLOTLY_MIME in m["content"]["data"] for m in shown)
+    assert any("rank 0" in m["content"]["data"].get("text/html", "") for m in shown)
+    updates = kinds.count("update_display_data")
+    assert 2 <= updates <= 2 * (seconds / 2.0 + 3), (updates, seconds)  # two handles, 0.5 Hz
+
+
+def test_forced_widget_stays_within_the_message_budget(setup, kernel_clean):
+    msgs, seconds = messages(
+        setup, "run = nbtrain.launch(log_many, devices=2, steps=3000, dashboard='widget')")
+    assert not _errors(msgs), _errors(msgs)
+    comm = [m for m in msgs if m["msg_type"] == "comm_msg"]
+    opens = [m for m in msgs if m["msg_type"] == "comm_open"]
+    assert opens and comm
+    rate = len(comm) / seconds
+    print(f"\n{len(comm)} comm messages in {seconds:.1f}s: {rate:.1f}/s, "
+          f"{len(opens)} comm_open")
+    assert rate <= COMM_BUDGET_PER_S, (len(comm), seconds)
+    points = setup.value("run.history.__len__() > 1000")
+    assert points
+
+
+def test_failure_shows_in_the_view_then_raises(setup, kernel_clean):
+    msgs, _ = messages(setup, "nbtrain.launch(fail_on, 'raise', devices=2, dashboard='static')")
+    errors = _errors(msgs)
+    assert errors and errors[0]["ename"] == "WorkerError"
+    htmls = [m["content"]["data"].get("text/html", "") for m in msgs
+             if m["msg_type"] in ("display_data", "update_display_data")]
+    last_error = max(i for i, m in enumerate(msgs) if m["msg_type"] == "error")
+    drawn = [i for i, m in enumerate(msgs) if m["msg_type"] == "update_display_data"
+             and "bad batch on purpose" in m["content"]["data"].get("text/html", "")]
+    assert drawn and drawn[0] < last_error, htmls[-1:]
+
+
+def test_a_run_shown_on_its_own_displays_its_summary(setup):
+    msgs, _ = messages(setup, "run")
+    shown = [m["content"]["data"] for m in msgs if m["msg_type"] == "display_data"]
+    assert any(PLOTLY_MIME in d for d in shown)
+    assert any("done" in d.get("text/html", "") for d in shown)
