@@ -1,0 +1,109 @@
+"""CUDA/NCCL paths. CI has no GPU: these skip there and run with `pytest -m gpu` on a GPU
+machine. Anything that initialises CUDA runs in a subprocess, so it cannot make forking
+unsafe for the tests that follow."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from workloads import param_count, train, train_single
+
+import nbtrain
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_leftovers")]
+
+
+def _ranks() -> int:
+    return min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300, cwd=__file__.rsplit("/", 1)[0])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_grad_op"])
+def test_nccl_runs_match_one_process(strategy):
+    n = _ranks()
+    run = nbtrain.launch(train, devices=n, accelerator="cuda", strategy=strategy,
+                         telemetry=nbtrain.Telemetry(memory_every=1))
+    assert all(r["device"] == f"cuda:{i}" for i, r in enumerate(run.results))
+    single = train_single(world_size=n)
+    for name, value in single.items():
+        torch.testing.assert_close(run.result["full"][name], value, rtol=1e-3, atol=1e-4)
+    mem = run.history.events("memory", 0)[-1].values
+    for key in ("cuda_allocated", "cuda_reserved", "cuda_peak"):
+        assert mem[key] > 0
+    per_rank = {"ddp": 16, "fsdp": 16 / n, "fsdp_grad_op": 16 / n}[strategy]
+    model = mem["params"] + mem["grads"] + mem["optimizer"]
+    assert per_rank * param_count() <= model <= 1.05 * per_rank * param_count()
+
+
+def test_offload_keeps_the_shards_off_the_gpu():
+    run = nbtrain.launch(train, devices=_ranks(), accelerator="cuda", strategy="fsdp_offload",
+                         telemetry=nbtrain.Telemetry(memory_every=1))
+    assert run.result["loss"] < 2.0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_mixed_precision_trains(strategy, precision):
+    chosen = nbtrain.strategies.get(strategy, mixed_precision=precision)
+    run = nbtrain.launch(train, devices=_ranks(), accelerator="cuda", strategy=chosen)
+    single = train_single(world_size=_ranks())
+    for name, value in single.items():  # half precision: close, not equal
+        torch.testing.assert_close(run.result["full"][name], value, rtol=0.1, atol=0.05)
+
+
+def test_fork_after_cuda_init_falls_back_to_spawn_or_refuses():
+    done = _python("""
+        import warnings, torch, nbtrain
+        from workloads import fail_on
+        torch.zeros(1, device="cuda")          # CUDA initialised in the "kernel"
+        try:
+            nbtrain.launch(fail_on, "none", devices=1, accelerator="cuda", start_method="fork")
+        except RuntimeError as err:
+            print("refused:", "start_method='spawn'" in str(err))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run = nbtrain.launch(fail_on, "none", devices=1, accelerator="cuda")
+        print("method:", run.start_method, any("spawn instead of fork" in str(w.message) for w in caught))
+    """)
+    assert done.returncode == 0, done.stderr
+    assert "refused: True" in done.stdout
+    assert "method: spawn True" in done.stdout
+
+
+def test_driver_probe_sees_cuda_initialised_behind_torch():
+    done = _python("""
+        import ctypes, torch
+        from nbtrain.launch import guards
+        cuda = ctypes.CDLL("libcuda.so.1")
+        assert cuda.cuInit(0) == 0
+        ctx = ctypes.c_void_p()
+        assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+        print("torch knows:", torch.cuda.is_initialized())
+        print("probe:", guards.cuda_driver_initialized())
+        print("auto:", guards.fork_unsafe_reason() is not None)
+    """)
+    assert done.returncode == 0, done.stderr
+    assert "torch knows: False" in done.stdout
+    assert "probe: the CUDA driver is initialised" in done.stdout
+    assert "auto: True" in done.stdout
+
+
+def test_counting_gpus_keeps_fork_safe():
+    done = _python("""
+        import nbtrain
+        from nbtrain.launch import guards
+        from nbtrain.launch.devices import parse_devices
+        plan = parse_devices("auto")
+        print("plan:", plan.accelerator, len(plan.indices))
+        print("safe:", guards.fork_unsafe_reason())
+    """)
+    assert done.returncode == 0, done.stderr
+    assert "plan: cuda" in done.stdout and "safe: None" in done.stdout
