@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -169,3 +171,27 @@ def test_bad_arguments_fail_before_anything_starts():
         nbtrain.launch("train", devices=2)
     with pytest.raises(TypeError, match="cannot send fail_on"):
         nbtrain.launch(fail_on, (i for i in range(3)), devices=2, start_method="spawn")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores for 2 threads")
+def test_forked_workers_do_not_hang_in_openmp():
+    """Once the kernel ran a parallel op, a forked worker with >1 thread would hang."""
+    script = """
+import warnings, torch, nbtrain
+def threads(ctx):
+    (torch.ones(1 << 20) * 2).sum()          # a parallel region in the worker
+    return torch.get_num_threads()
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    print("fresh", nbtrain.launch(threads, devices=1, timeout=60).result, len(w))
+    torch.set_num_threads(2)
+    (torch.ones(1 << 20) * 2).sum()          # now the kernel's OpenMP pool exists
+    print("after", nbtrain.launch(threads, devices=1, timeout=60).result,
+          any("OpenMP" in str(x.message) for x in w))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "NBTRAIN_DASHBOARD": "off"})
+    assert done.returncode == 0, done.stderr
+    cores = len(os.sched_getaffinity(0))
+    assert f"fresh {cores} 0" in done.stdout
+    assert "after 1 True" in done.stdout

@@ -18,7 +18,7 @@ from ..telemetry.options import Telemetry
 from ..telemetry.sinks import Sink
 from .devices import parse_devices, threads_per_worker
 from .fork import ForkLauncher
-from .guards import choose_start_method
+from .guards import choose_start_method, fork_threads
 from .launcher import Launcher
 from .spawn import SpawnLauncher
 from .supervisor import Supervisor
@@ -120,6 +120,8 @@ def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetr
         holder = [store]
         cleanup.append(holder.clear)
         threads = threads_per_worker(plan.world_size)
+        if launcher.name == "fork":
+            threads = fork_threads(threads)
         for rank, index in enumerate(plan.indices):
             spec = WorkerSpec(
                 rank=rank, local_rank=rank, world_size=plan.world_size,

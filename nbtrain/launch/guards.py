@@ -11,7 +11,9 @@ probe looks for what an initialised driver leaves in the process: an open
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from typing import Literal
@@ -81,3 +83,53 @@ def choose_start_method(requested: str) -> StartMethod:
                       RuntimeWarning, stacklevel=3)
         return "spawn"
     return "fork"
+
+
+# Once a forked child has hung in OpenMP, every later fork of this process would too.
+_openmp_hangs_after_fork = False
+
+
+def openmp_works_after_fork(threads: int, timeout: float = 5.0) -> bool:
+    """Can a forked child run torch ops on ``threads`` threads?
+
+    GNU OpenMP (torch's CPU thread pool on Linux) is not fork-safe: once the kernel has
+    run a parallel torch op, a forked child that starts a parallel region waits forever
+    for pool threads that were not copied (DataLoader workers avoid it by using one
+    thread). A forked canary runs one parallel op; if it does not finish, the answer is
+    no, and stays no for this process.
+    """
+    global _openmp_hangs_after_fork
+    if threads <= 1:
+        return True
+    if _openmp_hangs_after_fork:
+        return False
+    pid = os.fork()
+    if pid == 0:  # the canary
+        try:
+            torch.set_num_threads(threads)
+            (torch.ones(1 << 20) * 2).sum()
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return True
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    _openmp_hangs_after_fork = True
+    return False
+
+
+def fork_threads(threads: int | None) -> int | None:
+    """Threads each forked worker may use: 1 when more would hang in OpenMP."""
+    wanted = threads if threads is not None else torch.get_num_threads()
+    if openmp_works_after_fork(wanted):
+        return threads
+    warnings.warn(
+        f"nbtrain: forked workers use 1 CPU thread instead of {wanted}: this kernel has run "
+        "parallel torch ops, and OpenMP's thread pool does not survive a fork. For more "
+        "threads per worker use start_method='spawn', or restart the kernel and launch "
+        "before running torch in it.", RuntimeWarning, stacklevel=4)
+    return 1
