@@ -1,12 +1,19 @@
 """The worker-side ``ctx`` handed to the user's function, once per rank.
 
 It knows where this rank stands (rank, world size, device), wraps the model with the
-chosen strategy, shards data, and reports metrics to the kernel as typed events.
+chosen strategy, shards data, and reports metrics to the kernel as typed events. It also
+carries the memory techniques that need the strategy's help: meta-device initialisation
+(``init_module``), gradient accumulation without synchronisation (``accumulate``,
+``no_backward_sync``), clipping of sharded gradients (``clip_grad_norm_``) and
+strategy-independent checkpoints (``save``/``load``, ``resume_from``).
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
+import dataclasses
+import os
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -43,6 +50,10 @@ class Context:
         self._batches = 0
         self._logs = 0
         self._pending: list[tuple[int, float, dict[str, Any]]] = []
+        self._init_recording = None  # from ctx.init_module()
+        self._model_of: dict[int, nn.Module] = {}  # id(optimizer) -> the model it trains
+        # The checkpoint given to launch(resume=...), or None: load it to go on from there.
+        self.resume_from: str | None = getattr(spec, "resume_from", None)
 
     @property
     def is_main(self) -> bool:
@@ -50,20 +61,40 @@ class Context:
 
     @property
     def step(self) -> int:
-        """Index of the current batch from ``ctx.dataloader`` (or of the ``log`` call)."""
+        """Index of the current batch from ``ctx.dataloader`` (or of the ``log`` call).
+
+        Settable: after resuming from a checkpoint, ``ctx.step = saved_step + 1`` makes
+        the next batch (or ``log`` call) that step, so the curves continue.
+        """
         return self._batches - 1 if self._batches else self._logs
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"ctx.step = {value!r}: give an int >= 0.")
+        if self._batches:
+            self._batches = value
+        self._logs = value
+        if self._recorder is not None:
+            self._recorder.skip_to(value)
 
     def __repr__(self) -> str:
         return (f"Context(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
                 f"strategy={self.strategy.name!r})")
 
     # -- model and optimizers ----------------------------------------------------------
-    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer):
+    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer,
+              activation_checkpointing=None):
         """Move ``model`` to ``ctx.device`` and wrap it with the strategy.
 
         Optimizers built on ``model.parameters()`` before this call are re-pointed at the
         parameters the strategy made (FSDP replaces them with sharded ones), keeping their
-        hyper-parameters and any LR scheduler attached to them.
+        hyper-parameters and any LR scheduler attached to them. With ``zero1`` each
+        optimizer comes back as a ``ZeroRedundancyOptimizer`` of the same class and
+        hyper-parameters (build LR schedulers on the returned one).
+        ``activation_checkpointing=(Block,)`` recomputes those blocks' activations in
+        backward (overrides the strategy's setting). A model built in
+        ``ctx.init_module()`` is materialised here, each rank holding only its shard.
         Returns the model, or ``(model, *optimizers)`` when optimizers were given.
         """
         if not isinstance(model, nn.Module):
@@ -72,19 +103,55 @@ class Context:
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"ctx.setup(model, *optimizers): {type(opt).__name__} is not a "
                                 "torch.optim.Optimizer.")
+        strategy = self.strategy
+        if activation_checkpointing is not None:
+            strategy = dataclasses.replace(strategy,
+                                           activation_checkpointing=activation_checkpointing)
+        from .strategies import meta_init
+        from .strategies.activation import clean_name
+
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        wrapped = self.strategy.setup_module(model, self)
+        on_meta = meta_init.on_meta(model)
+        sharded = on_meta and _shards(strategy)
+        if on_meta and not sharded:  # whole parameters: materialise before wrapping
+            meta_init.materialize(model, self.device, self._init_recording)
+        wrapped = strategy.setup_module(model, self)
+        if sharded:  # only this rank's shards are allocated
+            device = torch.device("cpu") if getattr(strategy, "offload", False) else self.device
+            meta_init.materialize(wrapped, device, self._init_recording)
         inner = wrapped.module if isinstance(wrapped, nn.parallel.DistributedDataParallel) else wrapped
-        current = dict(inner.named_parameters(remove_duplicate=False))
+        current = {clean_name(n): p for n, p in inner.named_parameters(remove_duplicate=False)}
         for opt in optimizers:
             _repoint(opt, names, current)
+        optimizers = tuple(strategy.setup_optimizer(opt, wrapped, self) for opt in optimizers)
         if self._recorder is not None:
             self._recorder.watch(wrapped, optimizers,
                                  ddp=isinstance(wrapped, nn.parallel.DistributedDataParallel))
-        self._scaler = self.strategy.grad_scaler(self)
+        self._scaler = strategy.grad_scaler(self)
         if self._scaler is not None:
             optimizers = tuple(_ScaledOptimizer(opt, self._scaler) for opt in optimizers)
+        for opt in optimizers:
+            self._model_of[id(opt)] = wrapped
         return (wrapped, *optimizers) if optimizers else wrapped
+
+    @contextlib.contextmanager
+    def init_module(self):
+        """Build the model inside this block for fast, low-memory initialisation.
+
+        Modules are created on the meta device (no memory, no time); ``ctx.setup`` then
+        lets the strategy shard them and allocates and initialises only this rank's
+        shard, with the same values ordinary construction with the same seed gives::
+
+            torch.manual_seed(0)
+            with ctx.init_module():
+                model = Net()
+            model, opt = ctx.setup(model, torch.optim.AdamW(model.parameters()))
+        """
+        from .strategies import meta_init
+
+        with meta_init.record() as recording:
+            yield
+        self._init_recording = recording
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled when the strategy trains in fp16."""
@@ -92,6 +159,94 @@ class Context:
             self._scaler.scale(loss).backward()
         else:
             loss.backward()
+
+    # -- gradient accumulation and clipping ---------------------------------------------
+    @contextlib.contextmanager
+    def no_backward_sync(self, model: nn.Module, enabled: bool = True):
+        """Within this block, backward accumulates gradients locally without
+        synchronising them across ranks (DDP's ``no_sync``, FSDP's
+        ``set_requires_gradient_sync(False)``). Put forward and backward inside it."""
+        if not enabled:
+            yield
+            return
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            with model.no_sync():
+                yield
+        elif hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        else:
+            raise TypeError(f"ctx.no_backward_sync() takes the model ctx.setup() returned; "
+                            f"got {type(model).__name__}, which is not wrapped by a strategy.")
+
+    def accumulate(self, model: nn.Module, steps: int) -> Accumulator:
+        """Gradient accumulation over ``steps`` micro-batches; every micro-step but the
+        last skips the gradient synchronisation::
+
+            acc = ctx.accumulate(model, 4)
+            for x, y in loader:
+                with acc:
+                    ctx.backward(loss_fn(model(x), y) / 4)
+                if acc.ready:  # after every 4th micro-step
+                    opt.step(); opt.zero_grad()
+        """
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"ctx.accumulate(model, steps={steps!r}): give an int >= 1.")
+        return Accumulator(self, model, steps)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0,
+                        optimizer=None) -> torch.Tensor:
+        """Clip the gradients to a total norm of ``max_norm``; returns the norm before.
+
+        The norm is of the whole model's gradients even when they are sharded (FSDP's
+        DTensor shards are reduced across ranks). In fp16, pass the optimizer: its
+        gradients are unscaled first.
+        """
+        if not isinstance(max_norm, (int, float)) or max_norm <= 0:
+            raise ValueError(f"max_norm={max_norm!r} must be a positive number.")
+        if self._scaler is not None:
+            if optimizer is None:
+                raise ValueError("fp16 gradients are scaled: call "
+                                 "ctx.clip_grad_norm_(model, max_norm, optimizer=opt) so "
+                                 "they are unscaled before clipping.")
+            self._scaler.unscale_(getattr(optimizer, "optimizer", optimizer))
+        params = [p for p in model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        total = torch.nn.utils.get_total_norm(grads, norm_type)
+        if hasattr(total, "full_tensor"):  # a DTensor: partial norms of the shards
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    # -- checkpoints --------------------------------------------------------------------
+    def save(self, path: str | os.PathLike, state: dict[str, Any], full: bool = False) -> None:
+        """Save ``state`` (e.g. ``{"model": model, "optimizer": opt, "step": step}``).
+
+        Sharded by default: a directory where each rank writes its own shards (torch's
+        distributed checkpoint); ``full=True``: one file with the gathered state, written
+        by rank 0. Either loads into any strategy and world size, and in the notebook
+        with ``nbtrain.checkpoint.load``. Every rank must call it.
+        """
+        from . import checkpoint
+
+        checkpoint.save(path, state, full=full, models=self._model_of)
+
+    def load(self, path: str | os.PathLike, state: dict[str, Any],
+             strict: bool = True) -> dict[str, Any]:
+        """Load a checkpoint into ``state`` (models and optimizers in place, other values
+        replaced) and return it. Every rank must call it."""
+        from . import checkpoint
+
+        with self._recorder.paused() if self._recorder is not None else contextlib.nullcontext():
+            return checkpoint.load(path, state, strict=strict, models=self._model_of)
+
+    def checkpoint_exists(self, path: str | os.PathLike) -> bool:
+        from . import checkpoint
+
+        return checkpoint.exists(path)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The full, unsharded state dict on rank 0 (on CPU); ``{}`` on the other ranks.
@@ -195,6 +350,38 @@ class Context:
         if all_ranks or self.is_main:
             kwargs.setdefault("flush", True)
             builtins.print(*args, **kwargs)
+
+
+class Accumulator:
+    """``with acc:`` around each micro-step's forward and backward; ``acc.ready`` is
+    True after the micro-step that synchronised the gradients (time to step)."""
+
+    def __init__(self, ctx: Context, model: nn.Module, steps: int):
+        self.ctx, self.model, self.steps = ctx, model, steps
+        self.micro_steps = 0
+        self._block = None
+
+    @property
+    def ready(self) -> bool:
+        return self.micro_steps > 0 and self.micro_steps % self.steps == 0
+
+    def __enter__(self) -> Accumulator:
+        last = (self.micro_steps + 1) % self.steps == 0
+        self._block = self.ctx.no_backward_sync(self.model, enabled=not last)
+        self._block.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        block, self._block = self._block, None
+        block.__exit__(*exc)
+        if exc[0] is None:
+            self.micro_steps += 1
+
+
+def _shards(strategy) -> bool:
+    from .strategies.fsdp import FSDP
+
+    return isinstance(strategy, FSDP)
 
 
 class DeviceLoader:

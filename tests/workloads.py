@@ -125,3 +125,122 @@ def log_many(ctx, steps=300):
         opt.zero_grad()
         ctx.log(loss=loss, i=i)
     return steps
+
+
+# -- memory techniques and checkpoints (test_techniques.py, test_checkpoint.py) -------
+class Block(nn.Module):
+    """A residual MLP block: the unit of activation checkpointing and FSDP wrapping."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.fc1 = nn.Linear(width, width)
+        self.fc2 = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Deep(nn.Module):
+    def __init__(self, width=64, depth=3):
+        super().__init__()
+        self.inp = nn.Linear(D, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, CLASSES)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def deep_param_count(width=64, depth=3) -> int:
+    return sum(p.numel() for p in Deep(width, depth).parameters())
+
+
+def _batches(world_size, batch_size, rank=None):
+    """Per step: this rank's batch (rank given) or the union of the ranks' batches."""
+    data = dataset()
+    step = batch_size * world_size
+    for start in range(0, N, step):
+        if rank is None:
+            yield data[start:start + step]
+        else:  # the same split as DistributedSampler without shuffling: strided
+            idx = list(range(start, start + step))[rank::world_size]
+            yield data[idx]
+
+
+def technique_train(ctx, accumulate=1, clip=None, init_meta=False, lr=1e-2, batch_size=16):
+    """Deep + Adam with the technique asked for; returns the full state dict on rank 0."""
+    torch.manual_seed(0)
+    if init_meta:
+        with ctx.init_module():
+            model = Deep()
+    else:
+        model = Deep()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    model, opt = ctx.setup(model, opt)
+    initial = {k: v.clone() for k, v in ctx.full_state_dict(model).items()}
+    acc = ctx.accumulate(model, accumulate)
+    micro = batch_size // accumulate
+    norms = []
+    for x, y in _batches(ctx.world_size, batch_size, ctx.rank):
+        for i in range(accumulate):
+            with acc:
+                xb, yb = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
+                loss = nn.functional.cross_entropy(model(xb), yb) / accumulate
+                ctx.backward(loss)
+        if clip is not None:
+            norms.append(ctx.clip_grad_norm_(model, clip, optimizer=opt).item())
+        opt.step()
+        opt.zero_grad()
+        ctx.log(loss=loss * accumulate)
+    return {"full": ctx.full_state_dict(model), "initial": initial, "norms": norms}
+
+
+def technique_single(clip=None, precision=None, lr=1e-2, batch_size=16, world_size=2):
+    """The same training in one process, on the union of the ranks' batches."""
+    torch.manual_seed(0)
+    model = Deep()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    norms = []
+    for x, y in _batches(world_size, batch_size):
+        if precision:
+            dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+            with torch.autocast("cpu", dtype=dtype):
+                out = model(x)
+        else:
+            out = model(x)
+        loss = nn.functional.cross_entropy(out.float(), y)
+        loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        opt.zero_grad()
+    return {"full": model.state_dict(), "initial": initial, "norms": norms}
+
+
+def zero_groups(ctx):
+    """What zero1 makes of an AdamW with two param groups."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW([{"params": model.body.parameters(), "lr": 1e-3},
+                             {"params": model.head.parameters(), "weight_decay": 0.5}],
+                            lr=2e-3, betas=(0.8, 0.9))
+    model, opt = ctx.setup(model, opt)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return {"type": type(opt).__name__, "inner": type(opt.optim).__name__,
+            "groups": groups, "sizes": [len(g["params"]) for g in opt.param_groups]}
+
+
+def misuse(ctx, what):
+    """Calls that must fail with a clear message inside a worker."""
+    model, opt = ctx.setup(Net(), torch.optim.SGD(Net().parameters(), lr=0.1))
+    if what == "accumulate":
+        ctx.accumulate(model, 0)
+    if what == "no_sync":
+        with ctx.no_backward_sync(Net()):
+            pass
+    if what == "clip":
+        ctx.clip_grad_norm_(model, -1.0)

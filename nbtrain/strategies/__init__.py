@@ -4,5 +4,6 @@ from .base import Strategy
 from .ddp import DDP
 from .fsdp import FSDP
 from .registry import describe, get, names, register
+from .zero import Zero1
 
-__all__ = ["DDP", "FSDP", "Strategy", "describe", "get", "names", "register"]
+__all__ = ["DDP", "FSDP", "Strategy", "describe", "get", "names", "register", "Zero1"]

@@ -30,6 +30,9 @@ class Strategy:
     mixed_precision: Precision = None
     # Preferred start method of an alias ("ddp_notebook" -> fork); None: no preference.
     start_method: Literal["fork", "spawn"] | None = None
+    # Module classes whose forward is recomputed in backward instead of keeping its
+    # activations (torch's non-reentrant checkpoint wrapper), e.g. (Block,).
+    activation_checkpointing: tuple[type[nn.Module], ...] | None = None
 
     description: ClassVar[str] = ""
     accelerators: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
@@ -38,6 +41,9 @@ class Strategy:
         if self.mixed_precision not in PRECISIONS:
             raise ValueError(f"mixed_precision={self.mixed_precision!r} is not one of "
                              f"{PRECISIONS}.")
+        from .activation import normalize
+
+        self.activation_checkpointing = normalize(self.activation_checkpointing)
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -51,6 +57,11 @@ class Strategy:
 
     def setup_module(self, module: nn.Module, ctx: Context) -> nn.Module:
         raise NotImplementedError
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module,
+                        ctx: Context) -> torch.optim.Optimizer:
+        """The optimizer to train with, given one built on ``module``'s parameters."""
+        return optimizer
 
     def grad_scaler(self, ctx: Context):
         """A loss scaler for fp16 (bf16 needs none), or None."""
@@ -71,8 +82,19 @@ class Strategy:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(module, options=options)
 
+    def checkpoint_activations(self, module: nn.Module) -> dict[int, nn.Module]:
+        """Apply activation checkpointing when asked: ``{id(block): wrapper}``."""
+        if not self.activation_checkpointing:
+            return {}
+        from .activation import apply
+
+        return apply(module, self.activation_checkpointing)
+
     def summary(self) -> str:
         extras = [f"mixed_precision={self.mixed_precision}"] if self.mixed_precision else []
+        if self.activation_checkpointing:
+            extras.append("activation_checkpointing=" + ",".join(
+                c.__name__ for c in self.activation_checkpointing))
         return self.name + (f" ({', '.join(extras)})" if extras else "")
 
 

@@ -26,6 +26,7 @@ class DDP(Strategy):
 
     def setup_module(self, module: nn.Module, ctx: Context) -> nn.Module:
         module = module.to(ctx.device)
+        self.checkpoint_activations(module)
         if self.compute_dtype is not None:
             autocast_forward(module, ctx.device.type, self.compute_dtype)
         kwargs = {}

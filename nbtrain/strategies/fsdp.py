@@ -125,12 +125,15 @@ class FSDP(Strategy):
         mp_policy = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
                      if dtype else MixedPrecisionPolicy())
         offload = CPUOffloadPolicy() if self.offload else OffloadPolicy()
-        if not self.offload:
+        on_meta = any(p.is_meta for p in module.parameters())
+        if not self.offload and not on_meta:  # meta: ctx materialises the shards after
             module = module.to(ctx.device)
         options = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
                        mp_policy=mp_policy, offload_policy=offload)
-        for unit in self.units(module):
-            fully_shard(unit, **options)
+        units = self.units(module)
+        wrappers = self.checkpoint_activations(module)  # FSDP shards the wrapper
+        for unit in units:
+            fully_shard(wrappers.get(id(unit), unit), **options)
         fully_shard(module, **options)
         return module
 
@@ -148,6 +151,9 @@ class FSDP(Strategy):
             extras.append(f"mixed_precision={self.mixed_precision}")
         if self.wrap:
             extras.append("wrap=" + ",".join(w.__name__ for w in self.wrap))
+        if self.activation_checkpointing:
+            extras.append("activation_checkpointing=" + ",".join(
+                c.__name__ for c in self.activation_checkpointing))
         return self.name + (f" ({', '.join(extras)})" if extras else "")
 
 

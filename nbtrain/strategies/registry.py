@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from .base import Strategy
 from .ddp import DDP
 from .fsdp import FSDP
+from .zero import Zero1
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ register("ddp_notebook", _variant(DDP, start_method="fork"),
 register("ddp_spawn", _variant(DDP, start_method="spawn"),
          "DDP in freshly spawned processes: safe when CUDA is already initialised in the "
          "kernel, slower to start.")
+register("zero1", Zero1, Zero1.description)
 register("fsdp", FSDP, FSDP.description)
 register("fsdp_grad_op", _variant(FSDP, reshard_after_forward=False),
          "FSDP that keeps gathered parameters from forward until backward (ZeRO-2 "

@@ -21,6 +21,10 @@ class Telemetry:
     memory_every: int = 10
     # Count collectives (op type, calls, logical bytes) per step.
     comm: bool = True
+    # Also measure activations (bytes saved for backward by the forward of the model
+    # ctx.setup returned) and the step's tensor-level peak, on the memory-sampled steps:
+    # the Memory events gain "activations" and "peak".
+    profile_memory: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.memory_every, int) or self.memory_every < 0:

@@ -6,6 +6,19 @@ figures do not exist there), so the categories come from the tensors: parameters
 gradients and optimizer state. A DTensor (FSDP2) counts its local shard's storage, which
 includes FSDP's padding; a storage shared by several tensors (tied weights, DDP's bucket
 views) counts once. Optimizer step counters (0-d tensors, 4 bytes each) are left out.
+A ``ZeroRedundancyOptimizer`` (zero1) keeps this rank's partition of the state in its
+inner optimizer (``.optim``): that is what is counted.
+
+Activations (opt-in, ``Telemetry(profile_memory=True)``): during one forward, torch's
+``saved_tensors_hooks`` see every tensor autograd keeps for backward; their storages,
+deduplicated, are the activation bytes. Parameters (leaf tensors that require grad, and
+views of them, FSDP's gathered copies included) are not activations and are left out.
+With activation checkpointing only the checkpointed blocks' inputs are kept, and that is
+what is counted. ``peak`` is params + grads + optimizer + activations: the tensor-level
+high-water mark of a step, without temporaries, FSDP's in-flight gathered units or DDP's
+buckets (on CUDA, ``cuda_peak`` is the allocator's exact figure). torch's ``MemTracker``
+sees all of those too but intercepts every operator; the hooks cost one Python call per
+saved tensor, on the sampled steps only.
 
 Communication. ``torch.distributed``'s collective functions are wrapped in the worker
 so every call made through them (FSDP2's all-gathers and reduce-scatters, DDP's
@@ -54,13 +67,56 @@ def memory_by_category(model: nn.Module | None,
         "params": _storage_bytes(params, seen),
         "grads": _storage_bytes((p.grad for p in params), seen),
     }
+    from ..strategies.zero import local_optimizer
+
     state: list[torch.Tensor] = []
     for opt in optimizers:
-        for per_param in opt.state.values():
+        for per_param in local_optimizer(opt).state.values():
             state += [v for v in per_param.values()
                       if isinstance(v, torch.Tensor) and v.dim() > 0]
     values["optimizer"] = _storage_bytes(state, seen)
     return values
+
+
+class ActivationProbe:
+    """Bytes autograd saves for backward during one forward (see the module docstring)."""
+
+    def __init__(self):
+        self.bytes = 0
+        self._seen: set = set()
+        self._hooks = None
+
+    def start(self) -> None:
+        self.bytes = 0
+        self._seen = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+
+    def stop(self) -> int | None:
+        if self._hooks is None:
+            return None
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(None, None, None)
+        self._seen = set()
+        return self.bytes
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if not (base.requires_grad and base.grad_fn is None):  # not a parameter
+            local = _local(t)
+            try:
+                storage = local.untyped_storage()
+                key = (local.device, storage.data_ptr())
+                if storage.data_ptr() and key not in self._seen:
+                    self._seen.add(key)
+                    self.bytes += storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # tensors without storage
+                self.bytes += local.numel() * local.element_size()
+        return t
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def cuda_memory(device: torch.device) -> dict[str, int]:

@@ -1,10 +1,12 @@
 """Worker side: turns what the training loop does into events, without the user writing
 anything. Step boundaries come from ``ctx.dataloader`` batches (or, without it, from
 optimizer steps); memory is sampled after optimizer steps; collectives are tallied per
-step."""
+step. With ``profile_memory``, the forward before a sampled optimizer step is watched
+for the activations it saves."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -13,7 +15,13 @@ from torch import nn
 from .channel import TelemetryClient
 from .events import Comm, Memory, Step
 from .options import Telemetry
-from .probes import CommCounter, cuda_memory, ddp_python_allreduce, memory_by_category
+from .probes import (
+    ActivationProbe,
+    CommCounter,
+    cuda_memory,
+    ddp_python_allreduce,
+    memory_by_category,
+)
 
 
 class Recorder:
@@ -33,6 +41,9 @@ class Recorder:
         self._samples = 0
         self._opt_steps = 0
         self._batches_seen = False
+        self._paused = False
+        self._activations = ActivationProbe() if options.profile_memory else None
+        self._activation_bytes: int | None = None
 
     def watch(self, model: nn.Module, optimizers, ddp: bool) -> None:
         self._model = model
@@ -41,6 +52,37 @@ class Recorder:
             ddp_python_allreduce(model)
         if self._optimizers:
             self._optimizers[0].register_step_post_hook(self._after_optimizer_step)
+        if self._activations is not None:
+            model.register_forward_pre_hook(self._before_forward)
+            model.register_forward_hook(self._after_forward)
+
+    def _sampling_next(self) -> bool:
+        every = self.options.memory_every
+        return bool(every) and self._opt_steps % every == 0
+
+    def _before_forward(self, module, args) -> None:
+        if torch.is_grad_enabled() and self._sampling_next() and not self._paused:
+            self._activations.stop()
+            self._activations.start()
+
+    def _after_forward(self, module, args, output) -> None:
+        measured = self._activations.stop()
+        if measured is not None:
+            self._activation_bytes = measured
+
+    def skip_to(self, step: int) -> None:
+        """Resuming: the next step is ``step``."""
+        if not self._batches_seen:
+            self._opt_steps = step
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Optimizer steps in here are not training steps (a checkpoint load's warm-up)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     # -- step boundaries ---------------------------------------------------------------
     def on_batch(self, step: int, samples: int) -> None:
@@ -70,6 +112,8 @@ class Recorder:
                                       counts=counts, bytes=sizes))
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._paused:
+            return
         if not self._batches_seen:  # no ctx.dataloader: optimizer steps are the steps
             self._boundary(self._opt_steps, 0)
         self._opt_steps += 1
@@ -79,6 +123,10 @@ class Recorder:
 
     def sample_memory(self, step: int) -> None:
         values = memory_by_category(self._model, self._optimizers)
+        if self._activation_bytes is not None:
+            values["activations"] = self._activation_bytes
+            values["peak"] = sum(values.values())
+            self._activation_bytes = None
         if self.device.type == "cuda":
             values.update(cuda_memory(self.device))
         self.client.send(Memory(rank=self.rank, step=step, t=time.monotonic(), values=values))

@@ -1,0 +1,69 @@
+"""ZeRO-1: DDP for the model, torch's ``ZeroRedundancyOptimizer`` for the optimizer.
+
+Parameters and gradients stay whole on every rank (DDP all-reduces the gradients); the
+optimizer state is partitioned, by whole parameters, so each rank keeps about 1/N of it
+and updates only its parameters, then broadcasts them. ``ctx.setup(model, opt)`` turns
+the user's optimizer into a ``ZeroRedundancyOptimizer`` of the same class with the same
+hyper-parameters and param groups; an LR scheduler must be built on the optimizer that
+``ctx.setup`` returns.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+from .ddp import DDP
+
+if TYPE_CHECKING:
+    from ..context import Context
+
+
+@dataclass
+class Zero1(DDP):
+    # Keep each rank's parameters in one flat bucket for the broadcast after the step.
+    parameters_as_bucket_view: bool = False
+
+    description: ClassVar[str] = (
+        "ZeRO stage 1: DDP with torch's ZeroRedundancyOptimizer, so each rank keeps the "
+        "optimizer state of about 1/N of the parameters; parameters and gradients stay "
+        "whole.")
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module,
+                        ctx: Context) -> torch.optim.Optimizer:
+        return to_zero(optimizer, self.parameters_as_bucket_view)
+
+
+def to_zero(optimizer: torch.optim.Optimizer, bucket_view: bool = False):
+    """A ``ZeroRedundancyOptimizer`` with ``optimizer``'s class, defaults and groups."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    if optimizer.state:
+        raise RuntimeError("strategy 'zero1' shards the optimizer state, but this optimizer "
+                           "has stepped already. Build it and call ctx.setup(model, opt) "
+                           "before training.")
+    if optimizer.__class__.__init__ is torch.optim.Optimizer.__init__:
+        raise TypeError(f"strategy 'zero1' rebuilds the optimizer from its class; "
+                        f"{type(optimizer).__name__} has no constructor of its own.")
+    groups = [dict(g) for g in optimizer.param_groups]
+    # The constructor's own arguments only (AdamW keeps Adam's `decoupled_weight_decay`
+    # among its defaults but does not take it); the groups carry every value anyway.
+    signature = inspect.signature(type(optimizer).__init__).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in signature.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in signature}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
+                                   parameters_as_bucket_view=bucket_view, **defaults)
+
+
+def local_optimizer(optimizer):
+    """The optimizer that holds this rank's state: ZeRO's inner one, or itself."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # fp16's _ScaledOptimizer
+    return inner.optim if isinstance(inner, ZeroRedundancyOptimizer) else inner
