@@ -34,7 +34,8 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
            strategy: str | Strategy = "ddp", accelerator: str = "auto",
            start_method: str = "auto", background: bool = False,
            timeout: float | None = None, telemetry: bool | Telemetry = True,
-           sinks: list[Sink] = (), dashboard: bool | str = "auto", **kwargs: Any) -> Run:
+           sinks: list[Sink] = (), dashboard: bool | str = "auto",
+           resume: str | os.PathLike | None = None, **kwargs: Any) -> Run:
     """Run ``fn(ctx, *args, **kwargs)`` once per rank, one rank per device.
 
     Args:
@@ -59,6 +60,9 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
             or Colab without widgets), text progress in a terminal; ``"widget"``,
             ``"static"``, ``"text"`` force one; ``False`` shows nothing. The environment
             variable ``NBTRAIN_DASHBOARD`` (same values, or ``off``) overrides ``"auto"``.
+        resume: a checkpoint written by ``ctx.save``; every rank finds it in
+            ``ctx.resume_from`` (None without it) and goes on from it with
+            ``ctx.load(ctx.resume_from, state)``.
 
     Returns the ``Run``. Blocking, a failed rank raises ``nbtrain.WorkerError`` here; an
     interrupt (Ctrl-C, the stop button) ends every worker and raises KeyboardInterrupt.
@@ -70,6 +74,7 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
     from ..ui.frontend import check_arg
 
     check_arg(dashboard)
+    resume = _resume_path(resume)
     options = Telemetry.from_arg(telemetry)
     chosen = strategies.get(strategy)
     plan = parse_devices(devices, accelerator)
@@ -82,7 +87,7 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
         from ..ui import attach_dashboard
 
         attach_dashboard(run, dashboard)
-    _start(run, launcher, payload, plan, options)
+    _start(run, launcher, payload, plan, options, resume)
     if background:
         return run
     try:
@@ -102,7 +107,23 @@ def _start_method(requested: str, strategy: Strategy) -> str:
     return choose_start_method(preferred or requested)
 
 
-def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetry) -> None:
+def _resume_path(resume) -> str | None:
+    if resume is None:
+        return None
+    from ..checkpoint import exists
+
+    if not isinstance(resume, (str, os.PathLike)):
+        raise TypeError(f"resume={resume!r}: give the path of a checkpoint written by ctx.save.")
+    path = os.path.abspath(os.fspath(resume))
+    if not exists(path):
+        raise ValueError(f"resume={os.fspath(resume)!r}: no checkpoint there (ctx.save writes "
+                         "a directory with a .metadata file, or one file with full=True). "
+                         "Start without resume=, or check nbtrain.checkpoint.exists(path).")
+    return path
+
+
+def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetry,
+           resume: str | None = None) -> None:
     import torch.distributed as dist
 
     cleanup: list[Callable[[], None]] = [launcher.close]
@@ -111,7 +132,7 @@ def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetr
         server = TelemetryServer(run._on_event, host=_HOST) if telemetry.enabled else None
         if server is not None:
             cleanup.append(server.close)
-        pg_timeout = max(60.0, run.timeout or 0) if run.timeout else 600.0
+        pg_timeout = max(60.0, run.timeout) if run.timeout else 600.0
         # The rendezvous store lives in the kernel: port 0 gives a free port with no race,
         # and it goes away with the run.
         store = dist.TCPStore(_HOST, 0, plan.world_size, is_master=True,
@@ -132,7 +153,7 @@ def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetr
                 telemetry_token=server.token if server else "",
                 num_threads=threads, pg_timeout_s=pg_timeout, parent_pid=os.getpid(),
                 die_with_parent=threading.current_thread() is threading.main_thread(),
-                telemetry=telemetry)
+                telemetry=telemetry, resume_from=resume)
             handles.append(launcher.start(spec, payload))
         del store
     except BaseException:

@@ -106,8 +106,9 @@ class Supervisor:
             h = w.handle
             sel.register(h.process.sentinel, selectors.EVENT_READ, ("exit", w))
             sel.register(h.control, selectors.EVENT_READ, ("control", w))
-            sel.register(h.out, selectors.EVENT_READ, ("out", w))
-            sel.register(h.err, selectors.EVENT_READ, ("err", w))
+            for stream, conn in (("out", h.out), ("err", h.err)):
+                os.set_blocking(conn.fileno(), False)
+                sel.register(conn, selectors.EVENT_READ, (stream, w))
         term_sent_at: float | None = None
         while any(w.exitcode is None for w in self.workers.values()):
             now = time.monotonic()
@@ -227,12 +228,6 @@ class Supervisor:
 
     def _drain_output(self) -> None:
         """Read the last lines (up to end-of-file, or DRAIN_S if a grandchild holds the pipe)."""
-        pending = [(w, s) for w in self.workers.values() for s in ("out", "err")]
-        for w, s in pending:
-            conn = w.handle.out if s == "out" else w.handle.err
-            if conn.closed or conn not in {k.fileobj for k in self._sel.get_map().values()}:
-                continue
-            os.set_blocking(conn.fileno(), False)
         end = time.monotonic() + DRAIN_S
         while time.monotonic() < end:
             keys = [k for k in self._sel.get_map().values() if k.data[0] in ("out", "err")]
