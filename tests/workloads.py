@@ -244,3 +244,35 @@ def misuse(ctx, what):
             pass
     if what == "clip":
         ctx.clip_grad_norm_(model, -1.0)
+
+
+def ckpt_train(ctx, path=None, load_from=None, steps=8, save_every=0, stop_after=None,
+               full=False, sleep=0.0, global_batch=32):
+    """Deep + Adam on a fixed global batch, saving {model, optimizer, step} every
+    ``save_every`` steps; goes on from ``load_from`` or ``ctx.resume_from`` when given."""
+    torch.manual_seed(0)
+    model = Deep()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = ctx.setup(model, opt)
+    state = {"model": model, "optimizer": opt, "step": -1}
+    source = load_from or ctx.resume_from
+    if source:
+        ctx.load(source, state)
+    first = state["step"] + 1
+    ctx.step = first
+    batches = list(_batches(ctx.world_size, global_batch // ctx.world_size, ctx.rank))
+    for step in range(first, steps):
+        x, y = batches[step % len(batches)]
+        loss = nn.functional.cross_entropy(model(x), y)
+        ctx.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        ctx.log(loss=loss)
+        if save_every and (step + 1) % save_every == 0:
+            state["step"] = step
+            ctx.save(path, state, full=full)
+            ctx.print(f"saved {step}")
+        if step == stop_after:
+            break
+        time.sleep(sleep)
+    return {"full": ctx.full_state_dict(model), "first": first}

@@ -44,6 +44,7 @@ class WorkerSpec:
     parent_pid: int
     die_with_parent: bool  # PR_SET_PDEATHSIG: launched from the main thread
     telemetry: Telemetry = Telemetry()
+    resume_from: str | None = None  # launch(resume=...): the checkpoint to go on from
 
     def environ(self) -> dict[str, str]:
         env = {

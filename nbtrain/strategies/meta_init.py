@@ -106,12 +106,13 @@ def _replay(m: nn.Module, reset, own: dict, bufs: dict, device: torch.device) ->
         m._buffers.update(bufs)
     with torch.no_grad():
         for n, p in own.items():
-            _copy_into(p, made_p[n].detach())
+            copy_into(p, made_p[n].detach())
         for n, b in bufs.items():
-            _copy_into(b, made_b[n])
+            copy_into(b, made_b[n])
 
 
-def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
+def copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Fill ``target`` from the whole tensor ``full``; a DTensor takes only its shard."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if isinstance(target, DTensor):  # keep only this rank's shard (no communication)
