@@ -49,6 +49,7 @@ class Dashboard(LiveView):
         self.figure = go.FigureWidget(empty_figure(height))
         self.errors = widgets.HTML()
         self.widget = widgets.VBox([self.header, self.figure, self.errors])
+        self.widget.add_class("nbtrain-dashboard")
         self._index: dict[str, int] = {}
         self._versions: dict[str, object] = {}
         self.comm_messages = 0

@@ -1,10 +1,13 @@
 """Which view a run gets: the live widget, a static figure, text, or none.
 
 Detection is conservative: the widget only when the kernel is an ipykernel, the widget
-packages import, and a widget manager in the frontend has talked to this kernel (it
-opens ipywidgets' ``jupyter.widget.control`` comm when it connects: JupyterLab and
-Notebook 7 do; nbclient/nbconvert and plain kernels do not). Otherwise a static plotly
-figure refreshed through a display handle in a kernel, or text in a terminal.
+packages import, and a widget frontend is there: either a widget manager has opened
+ipywidgets' ``jupyter.widget.control`` comm on this kernel (it does when it connects,
+but the kernel only hears it if ipywidgets was imported by then), or the kernel was
+started by a Jupyter server for a notebook session (``JPY_SESSION_NAME``: JupyterLab,
+Notebook 7) and not under VS Code or Colab. nbclient, nbconvert, papermill and plain
+kernels have neither. Otherwise a static plotly figure refreshed through a display
+handle in a kernel, or text in a terminal.
 ``NBTRAIN_DASHBOARD=widget|static|text|off`` overrides ``"auto"``.
 """
 
@@ -64,6 +67,15 @@ def widget_manager_connected() -> bool:
     return getattr(widgets.Widget, "_control_comm", None) is not None
 
 
+def jupyter_server_session() -> bool:
+    """The kernel belongs to a notebook session of a Jupyter server (Lab, Notebook 7),
+    not to VS Code's or Colab's own frontends, which may lack the widget extensions."""
+    if not os.environ.get("JPY_SESSION_NAME"):
+        return False
+    vscode = any(k.startswith("VSCODE_") for k in os.environ)
+    return not (vscode or "google.colab" in sys.modules)
+
+
 def has_plotly() -> bool:
     try:
         import plotly  # noqa: F401
@@ -107,7 +119,7 @@ def detect() -> str:
     if not has_plotly():
         _warn_once(f"nbtrain's dashboard needs plotly: {INSTALL}. Showing text progress.")
         return "text"
-    if widget_manager_connected():
+    if widget_manager_connected() or jupyter_server_session():
         missing = missing_widget_packages()
         if not missing:
             return "widget"

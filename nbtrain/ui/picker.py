@@ -22,7 +22,7 @@ from .compare import Comparison
 if TYPE_CHECKING:
     from ..run import Run
 
-PRECISIONS = [("fp32", None), ("bf16 mixed", "bf16"), ("fp16 mixed", "fp16")]
+PRECISIONS = [("fp32", "fp32"), ("bf16 mixed", "bf16"), ("fp16 mixed", "fp16")]
 
 
 class StrategyPicker:
@@ -47,7 +47,7 @@ class StrategyPicker:
         self._compared.set()
         self._descriptions = strategies.describe()
         self.dropdown = widgets.Dropdown(options=names, value=names[0], description="strategy")
-        self.precision = widgets.Dropdown(options=PRECISIONS, value=None,
+        self.precision = widgets.Dropdown(options=PRECISIONS, value="fp32",
                                           description="precision")
         self.offload = widgets.Checkbox(value=False, description="offload to CPU", indent=False)
         self.run_button = widgets.Button(description="Run", button_style="success", icon="play")
@@ -125,7 +125,7 @@ class StrategyPicker:
     def _options(self, name: str) -> dict:
         options: dict[str, Any] = {}
         fields = self._fields(name)
-        if "mixed_precision" in fields and self.precision.value is not None:
+        if "mixed_precision" in fields and self.precision.value != "fp32":
             options["mixed_precision"] = self.precision.value
         if "offload" in fields and self.offload.value:
             options["offload"] = True
