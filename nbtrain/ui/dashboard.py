@@ -5,7 +5,7 @@ JavaScript, ~5 MB, once); at most ``1 / interval`` redraws a second, each one ba
 update that restyles only the traces whose data changed, each trace at most
 ~``2 * max_points`` points; the header is sent only when its text changed. A redraw
 sends two comm messages for the figure (plotly sets and clears its update trait) and
-one for the header — ~15 messages a second at worst, far below the Jupyter server's
+one for the header — ~12 messages a second at worst, far below the Jupyter server's
 ~1000/s limit. ``comm_messages`` counts what this dashboard sent.
 """
 
@@ -35,9 +35,9 @@ class Dashboard(LiveView):
     """A run's live view. ``display=False`` builds it without showing it (tests, the
     picker, which places ``.widget`` itself)."""
 
-    interval = 0.2
+    interval = 0.25
     heartbeat = 1.0
-    max_points = 300
+    max_points = 200
 
     def __init__(self, run: Run | None = None, *, display: bool = True, world_size: int = 1,
                  height: int = 560):
