@@ -116,12 +116,13 @@ def test_figure_contents_from_events():
     assert "cuda:cuda_allocated" not in specs  # nothing CUDA on CPU
     loss = specs["metric:loss:0"].data
     assert loss["x"][0] == 0 and loss["y"][0] == 1.0 and loss["x"][-1] == 49
-    assert specs["memory:params"].data == {"x": ["rank 0", "rank 1"],
-                                           "y": [4000 / 2**20, 4000 / 2**20]}
+    assert specs["memory:params"].data["x"] == ["rank 0", "rank 1"]
+    assert specs["memory:params"].data["y"] == [4000 / 2**10] * 2  # 16 KB a rank: in KB
     assert len(specs["step_time:0"].data["x"]) == 49  # the warm-up step is left out
     assert specs["step_time:0"].data["y"][0] == pytest.approx(10.0)
     fig = build_figure(state)
     assert fig.layout.barmode == "stack"
+    assert fig.layout.yaxis4.title.text == "KB"
     titles = {a.text for a in fig.layout.annotations}
     assert {"Logged metrics (ctx.log)", "Model state per rank", "Communication per step"} <= titles
     assert state.status == {0: "done", 1: "done"}
@@ -253,3 +254,25 @@ def test_failure_is_drawn_before_the_error_reaches_the_caller():
     assert dash.closed
     assert "rank 1: failed" in dash.header.value
     assert "bad batch on purpose" in dash.errors.value
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_picker_runs_two_strategies_and_compares_them():
+    picker = nbtrain.StrategyPicker(train, devices=2, display=False)
+    assert picker.dropdown.options[:2] == ("ddp", "ddp_notebook")
+    picker.dropdown.value = "fsdp"
+    assert "1/N" in picker.description.value and not picker.offload.disabled
+    picker.dropdown.value = "ddp"
+    assert picker.offload.disabled
+    first = picker.start()
+    picker.dropdown.value = "fsdp"  # changing the dropdown does not touch the live run
+    with pytest.raises(RuntimeError, match="Stop"):
+        picker.start()
+    picker.wait(60)
+    assert first.strategy.name == "ddp" and first.status == "done"
+    picker.start()
+    picker.wait(60)
+    assert [r.strategy.name for r in picker.runs] == ["ddp", "fsdp"]
+    assert "fsdp holds" in picker.comparison_text.value
+    assert len(picker.comparison_figure.outputs) == 1
+    assert "rank 1: done" in picker.dashboard.header.value

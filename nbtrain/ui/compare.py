@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..telemetry.summary import Summary
-from .figures import CATEGORY_COLORS
+from .figures import CATEGORY_COLORS, unit_for
 from .theory import CATEGORIES, FOOTNOTE, known, n_params_from_memory, theoretical_bytes
 
 if TYPE_CHECKING:
@@ -43,13 +43,6 @@ class Row:
     def model_bytes(self) -> int:
         """The most model state (params + grads + optimizer) any rank held."""
         return max((sum(m.get(c, 0) for c in CATEGORIES) for m in self.memory), default=0)
-
-
-def unit_for(nbytes: float) -> tuple[str, float]:
-    for name, size in (("GB", 2**30), ("MB", 2**20)):
-        if nbytes >= size:
-            return name, size
-    return "KB", 2**10
 
 
 def _fmt_bytes(nbytes: float) -> str:

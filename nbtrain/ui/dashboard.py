@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._live import LiveView
-from .figures import PANELS, empty_figure, make_trace, trace_specs
+from .figures import PANELS, axis_titles, empty_figure, make_trace, trace_specs
 from .frontend import INSTALL, missing_widget_packages
 from .header import error_html, header_html
 
@@ -52,6 +52,7 @@ class Dashboard(LiveView):
         self.widget.add_class("nbtrain-dashboard")
         self._index: dict[str, int] = {}
         self._versions: dict[str, object] = {}
+        self._titles: dict[str, str] = {}
         self.comm_messages = 0
         self._count_messages()
         self.draw(final=False)
@@ -80,6 +81,7 @@ class Dashboard(LiveView):
         state = self.state
         with state.lock:
             specs = trace_specs(state)
+            titles = axis_titles(state)
             header = header_html(state)
             errors = error_html(state)
         fig = self.figure
@@ -92,8 +94,12 @@ class Dashboard(LiveView):
                 self._index[s.key] = len(fig.data) - len(new) + i
                 self._versions[s.key] = s.version
         changed = [s for s in specs if self._versions.get(s.key) != s.version]
-        if changed:
+        titles = {k: v for k, v in titles.items() if self._titles.get(k) != v}
+        if changed or titles:
             with fig.batch_update():
+                if titles:
+                    fig.update_layout(titles)
+                    self._titles.update(titles)
                 for s in changed:
                     trace = fig.data[self._index[s.key]]
                     trace.x = s.data["x"]

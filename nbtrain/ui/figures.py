@@ -18,9 +18,9 @@ PANELS = {  # key -> (row, col, title, x label, y label)
     "metrics": (1, 1, "Logged metrics (ctx.log)", "step", "value"),
     "step_time": (1, 2, "Step time per rank", "step", "ms"),
     "rate": (1, 3, "Throughput per rank", "step", "samples/s"),
-    "memory": (2, 1, "Model state per rank", "", "MB"),
+    "memory": (2, 1, "Model state per rank", "", "KB"),
     "comm": (2, 2, "Communication per step", "step", "MB per step"),
-    "cuda": (2, 3, "CUDA allocator per rank", "", "MB"),
+    "cuda": (2, 3, "CUDA allocator per rank", "", "KB"),
 }
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations")
 CUDA_CATEGORIES = ("cuda_allocated", "cuda_reserved", "cuda_peak")
@@ -30,7 +30,6 @@ CATEGORY_COLORS = {"params": "#4C78A8", "grads": "#F58518", "optimizer": "#54A24
 RANK_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
                "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 DASHES = ("solid", "dot", "dash", "dashdot", "longdash")
-_MB = 2**20
 
 
 @dataclass
@@ -41,6 +40,24 @@ class TraceSpec:
     props: dict[str, Any] = field(default_factory=dict)  # name, colors: set once
     data: dict[str, Any] = field(default_factory=dict)  # x, y: updated
     version: Any = 0
+
+
+def unit_for(nbytes: float) -> tuple[str, float]:
+    """The unit (KB, MB or GB; powers of 1024) that keeps ``nbytes`` readable."""
+    for name, size in (("GB", 2**30), ("MB", 2**20)):
+        if nbytes >= size:
+            return name, size
+    return "KB", 2**10
+
+
+def memory_units(state: LiveState) -> dict[str, tuple[str, float]]:
+    """The unit of the memory and CUDA panels, from the largest bar in each."""
+    units = {}
+    for panel, cats in (("memory", MEMORY_CATEGORIES), ("cuda", CUDA_CATEGORIES)):
+        totals = [sum(m.get(c, 0) for c in cats) if panel == "memory"
+                  else max((m.get(c, 0) for c in cats), default=0) for m in state.memory.values()]
+        units[panel] = unit_for(max(totals, default=0))
+    return units
 
 
 def rank_color(rank: int) -> str:
@@ -72,16 +89,20 @@ def trace_specs(state: LiveState) -> list[TraceSpec]:
                 {"x": x, "y": y}, table[rank].version))
     ranks_with_memory = sorted(state.memory)
     labels = [f"rank {r}" for r in ranks_with_memory]
+    units = memory_units(state)
     for panel, categories in (("memory", MEMORY_CATEGORIES), ("cuda", CUDA_CATEGORIES)):
+        unit, size = units[panel]
         for cat in categories:
             if not any(cat in state.memory[r] for r in ranks_with_memory):
                 continue
-            y = [state.memory[r].get(cat, 0) / _MB for r in ranks_with_memory]
+            y = [state.memory[r].get(cat, 0) / size for r in ranks_with_memory]
             specs.append(TraceSpec(
                 f"{panel}:{cat}", panel, "bar",
                 {"name": cat, "marker": {"color": CATEGORY_COLORS[cat]},
                  "legendgroup": panel, "showlegend": panel == "memory"},
-                {"x": labels, "y": y}, (tuple(labels), tuple(y))))
+                {"x": labels, "y": y, "hovertemplate": f"%{{x}} {cat}: %{{y:.3g}} {unit}"
+                                                        "<extra></extra>"},
+                (tuple(labels), tuple(y))))
     for op in sorted(state.comm):
         x, y = state.comm[op].points()
         specs.append(TraceSpec(
@@ -118,11 +139,19 @@ def add_spec(fig, spec: TraceSpec) -> None:
     fig.add_trace(make_trace(spec), row=row, col=col)
 
 
+def axis_titles(state: LiveState) -> dict[str, str]:
+    """Layout updates for the panels whose unit follows the data (memory: KB/MB/GB)."""
+    units = memory_units(state)
+    return {"yaxis4.title.text": units["memory"][0], "yaxis6.title.text": units["cuda"][0]}
+
+
 def build_figure(state: LiveState, height: int = 560):
     """A new static figure of ``state`` (what the static view shows and Run displays)."""
     fig = empty_figure(height)
     with state.lock:
         specs = trace_specs(state)
+        titles = axis_titles(state)
     for spec in specs:
         add_spec(fig, spec)
+    fig.update_layout(titles)
     return fig

@@ -5,7 +5,8 @@ apply: mixed precision, CPU offload), Run and Stop buttons, the live dashboard o
 current run and the comparison of every run made here. Runs go in the background, so
 the buttons stay live; the dropdown only matters when Run is pressed, so changing it
 during a run does not touch that run. The comparison is a static figure in an Output
-widget (appended, never drawn from a ``with`` block), so the page holds one live figure.
+widget (its outputs set as data, never drawn from a ``with`` block), so the page holds one
+live figure.
 """
 
 from __future__ import annotations
@@ -173,10 +174,11 @@ class StrategyPicker:
         if comparison is None:
             return
         self.comparison_text.value = comparison.html()
-        bundles = comparison.bundles()[1:]
-        self.comparison_figure.outputs = ()
-        for bundle in bundles:
-            self.comparison_figure.append_display_data(_Raw(bundle))
+        # Set the Output widget's outputs directly: one trait update, from this thread,
+        # without IPython's formatter (which would create a shell outside a kernel).
+        self.comparison_figure.outputs = tuple(
+            {"output_type": "display_data", "data": bundle, "metadata": {}}
+            for bundle in comparison.bundles()[1:])
 
     def _ipython_display_(self) -> None:
         from IPython.display import display as show
@@ -187,12 +189,3 @@ class StrategyPicker:
         return (f"<StrategyPicker {getattr(self.fn, '__name__', 'fn')} "
                 f"strategy={self.dropdown.value} runs={len(self.runs)}>")
 
-
-class _Raw:
-    """A display bundle for ``Output.append_display_data`` (which calls the formatter)."""
-
-    def __init__(self, bundle: dict):
-        self.bundle = bundle
-
-    def _repr_mimebundle_(self, include=None, exclude=None):
-        return self.bundle
