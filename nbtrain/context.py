@@ -278,10 +278,23 @@ class Context:
                             drop_last=drop_last, **kwargs)
         return DeviceLoader(loader, sampler, self)
 
-    def _on_batch(self, samples: int) -> None:
+    @property
+    def total_steps(self) -> int | None:
+        """How many steps the function will run, if it says so (``ctx.total_steps = n``):
+        the dashboard then shows progress against it and an ETA."""
+        return self._recorder.total_steps or None if self._recorder is not None else None
+
+    @total_steps.setter
+    def total_steps(self, value: int | None) -> None:
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"ctx.total_steps={value!r} must be a positive int (or None).")
+        if self._recorder is not None:
+            self._recorder.total_steps = value or 0
+
+    def _on_batch(self, samples: int, epoch: int = 0, epoch_steps: int = 0) -> None:
         self._batches += 1
         if self._recorder is not None:
-            self._recorder.on_batch(self._batches - 1, samples)
+            self._recorder.on_batch(self._batches - 1, samples, epoch, epoch_steps)
 
     def _on_epoch_end(self) -> None:
         if self._recorder is not None:
@@ -401,7 +414,7 @@ class DeviceLoader:
         device = self._ctx.device
         non_blocking = device.type == "cuda"
         for batch in self.loader:
-            self._ctx._on_batch(_batch_size(batch))
+            self._ctx._on_batch(_batch_size(batch), self.epoch, len(self.loader))
             yield _to_device(batch, device, non_blocking)
         self._ctx._on_epoch_end()
         self.epoch += 1

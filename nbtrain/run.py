@@ -124,9 +124,10 @@ class Run:
 
     def _ipython_display_(self) -> None:
         """A run shown on its own (last line of a cell): its summary dashboard."""
-        from .ui import show_run
+        from .ui import show_run, shown_here
 
-        show_run(self)
+        if not shown_here(self):  # its live dashboard is already in this cell
+            show_run(self)
 
     # -- kernel side plumbing ----------------------------------------------------------
     def _on_event(self, event: Event) -> None:

@@ -18,6 +18,7 @@ class Reply:
     stderr: str = ""
     error: dict | None = None  # {"ename", "evalue", "traceback"}
     results: list = field(default_factory=list)  # text/plain of execute_result messages
+    displays: list = field(default_factory=list)  # data of display_data messages
     seconds: float = 0.0
 
     @property
@@ -72,6 +73,8 @@ class Kernel:
                     reply.stderr += content["text"]
             elif kind == "error":
                 reply.error = content
+            elif kind == "display_data":
+                reply.displays.append(content["data"])
             elif kind == "execute_result":
                 reply.results.append(content["data"].get("text/plain", ""))
             elif kind == "status" and content["execution_state"] == "idle":

@@ -276,3 +276,37 @@ def test_picker_runs_two_strategies_and_compares_them():
     assert "fsdp holds" in picker.comparison_text.value
     assert len(picker.comparison_figure.outputs) == 1
     assert "rank 1: done" in picker.dashboard.header.value
+
+
+def test_header_shows_epoch_progress_and_eta():
+    from nbtrain.ui.header import progress_parts
+
+    state = LiveState(world_size=1)
+    events = [Step(0, s, 0.1 * s, duration=0.1, samples=8, epoch=s // 10, epoch_steps=10)
+              for s in range(14)]
+    state.update(events)
+    text = " · ".join(progress_parts(state))
+    assert "epoch 2 (4/10)" in text and "ETA (epoch) 0s" in text
+    state = LiveState(world_size=1)
+    state.update([Step(0, s, 0.1 * s, duration=10.0, samples=8, total_steps=100)
+                  for s in range(10)])
+    text = " · ".join(progress_parts(state))
+    assert "step 10/100" in text and "ETA 15m00s" in text  # 90 steps × 10 s
+
+
+def test_steps_carry_the_plan_from_the_worker():
+    def planned(ctx):
+        ctx.total_steps = 12
+        data = torch.utils.data.TensorDataset(torch.randn(24, 4))
+        loader = ctx.dataloader(data, batch_size=4)
+        for _ in range(2):
+            for _ in loader:
+                pass
+        return len(loader)
+
+    import torch
+
+    run = nbtrain.launch(planned, devices=2, dashboard=False)
+    steps = run.history.events("step", 0)
+    assert [(e.epoch, e.epoch_steps, e.total_steps) for e in steps] == \
+        [(0, 3, 12)] * 3 + [(1, 3, 12)] * 3

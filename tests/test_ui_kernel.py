@@ -88,3 +88,19 @@ def test_a_run_shown_on_its_own_displays_its_summary(setup):
     shown = [m["content"]["data"] for m in msgs if m["msg_type"] == "display_data"]
     assert any(PLOTLY_MIME in d for d in shown)
     assert any("done" in d.get("text/html", "") for d in shown)
+
+
+def test_nothing_shows_twice_in_one_cell(setup, kernel_clean):
+    """A launch, a comparison or a picker as a cell's last line shows once, not again as
+    the cell's result."""
+    msgs, _ = messages(setup, "r = nbtrain.launch(log_many, devices=2, steps=20)\nr")
+    plots = [m for m in msgs if m["msg_type"] == "display_data"
+             and PLOTLY_MIME in m["content"]["data"]]
+    assert len(plots) == 1  # the live (static) view; no second summary figure
+    msgs, _ = messages(setup, "nbtrain.compare(r, run)")
+    shown = [m for m in msgs if m["msg_type"] in ("display_data", "execute_result")]
+    once, _ = messages(setup, "c = nbtrain.compare(r, run, display=False)\nc")
+    again = [m for m in once if m["msg_type"] in ("display_data", "execute_result")]
+    assert len(shown) == len(again) >= 2
+    msgs, _ = messages(setup, "nbtrain.StrategyPicker(log_many, devices=2)")
+    assert [m["msg_type"] for m in msgs].count("display_data") == 1

@@ -37,6 +37,9 @@ class Step(Event):
     kind: ClassVar[str] = "step"
     duration: float = 0.0  # seconds, from this step's batch to the next one
     samples: int = 0  # samples in the step's batch on this rank
+    epoch: int = 0  # ctx.dataloader's epoch (0-based)
+    epoch_steps: int = 0  # batches per epoch (0: unknown)
+    total_steps: int = 0  # what the function said it will run (ctx.total_steps; 0: unknown)
 
 
 @dataclass(frozen=True)

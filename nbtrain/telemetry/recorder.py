@@ -39,6 +39,8 @@ class Recorder:
         self._step = -1  # the step in progress
         self._last: float | None = None  # when it started
         self._samples = 0
+        self._epoch = (0, 0)  # (epoch, batches per epoch) of the step in progress
+        self.total_steps = 0  # ctx.total_steps
         self._opt_steps = 0
         self._batches_seen = False
         self._paused = False
@@ -85,9 +87,10 @@ class Recorder:
             self._paused = False
 
     # -- step boundaries ---------------------------------------------------------------
-    def on_batch(self, step: int, samples: int) -> None:
+    def on_batch(self, step: int, samples: int, epoch: int = 0, epoch_steps: int = 0) -> None:
         self._batches_seen = True
         self._boundary(step, samples)
+        self._epoch = (epoch, epoch_steps)
 
     def on_epoch_end(self) -> None:
         self._close_step(time.monotonic())
@@ -104,7 +107,9 @@ class Recorder:
         if self._last is None:
             return
         self.client.send(Step(rank=self.rank, step=self._step, t=now,
-                              duration=now - self._last, samples=self._samples))
+                              duration=now - self._last, samples=self._samples,
+                              epoch=self._epoch[0], epoch_steps=self._epoch[1],
+                              total_steps=self.total_steps))
         if self.comm:
             counts, sizes = self.comm.take()
             if counts:

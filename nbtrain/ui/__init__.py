@@ -22,6 +22,28 @@ __all__ = ["Comparison", "StrategyPicker", "attach_dashboard", "compare", "make_
            "show_run"]
 
 
+def _cell() -> int | None:
+    """The number of the cell running now, or None outside IPython."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    return getattr(shell, "execution_count", None) if shell is not None else None
+
+
+def mark_shown(obj) -> None:
+    """``obj`` has shown itself in the cell running now."""
+    obj._nbtrain_shown_in = _cell()
+
+
+def shown_here(obj) -> bool:
+    """Did ``obj`` already show itself in this cell? Then, as the cell's last line, it
+    must not show a second time (``nbtrain.compare(a, b)``, a picker, a launch)."""
+    cell = _cell()
+    return cell is not None and getattr(obj, "_nbtrain_shown_in", None) == cell
+
+
 def make_view(run: Run | None, mode: str, display: bool = True):
     """A view of ``mode`` (``"widget"``, ``"static"``, ``"text"``) for ``run``."""
     if mode == "widget":
@@ -60,6 +82,8 @@ def attach_dashboard(run: Run, dashboard="auto"):
         if view is None:
             return None
     run.add_sink(view)
+    if mode != "text":
+        mark_shown(run)
     return view
 
 

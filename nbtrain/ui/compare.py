@@ -212,6 +212,11 @@ class Comparison:
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
+        from . import shown_here
+
+        if shown_here(self):
+            return
+
         for bundle in self.bundles():
             display(bundle, raw=True)
 
@@ -241,6 +246,9 @@ def compare(*runs: Run, n_params: int | None = None, optimizer: str = "adam",
 
             if get_ipython() is not None:
                 result._ipython_display_()
+                from . import mark_shown
+
+                mark_shown(result)
             else:
                 print(result)
         except ImportError:

@@ -32,14 +32,23 @@ def _duration(seconds: float) -> str:
 
 def progress_parts(state: LiveState, total_steps: int | None = None) -> list[str]:
     steps = max(state.steps.values(), default=0)
+    epoch, epoch_steps, planned = state.plan
+    total_steps = total_steps or planned or None
     parts = [f"step {steps}" + (f"/{total_steps}" if total_steps else "")]
-    epoch = (state.last_metrics.get(0) or {}).get("epoch")
-    if epoch is not None:
-        parts.append(f"epoch {epoch:g}")
+    logged_epoch = (state.last_metrics.get(0) or {}).get("epoch")
+    if epoch_steps:
+        done_in_epoch = state.last_step + 1 - epoch * epoch_steps
+        parts.append(f"epoch {epoch + 1} ({max(done_in_epoch, 0)}/{epoch_steps})")
+    elif logged_epoch is not None:
+        parts.append(f"epoch {logged_epoch:g}")
     parts.append(f"elapsed {_duration(state.elapsed)}")
-    if total_steps and steps and state.outcome is None:
-        rate = steps / max(state.elapsed, 1e-9)
-        parts.append(f"ETA {_duration((total_steps - steps) / rate)}")
+    left = (total_steps - steps if total_steps
+            else epoch_steps * (epoch + 1) - state.last_step - 1 if epoch_steps else 0)
+    busy = state.busy.get(0, 0.0)
+    timed = max(state.steps.get(0, 0) - 1, 0)  # the first (warm-up) step is not timed
+    if left > 0 and timed and state.outcome is None:
+        what = "" if total_steps else " (epoch)"
+        parts.append(f"ETA{what} {_duration(left * busy / timed)}")
     rate = sum(r for k in state.ranks if (r := state.samples_per_s(k)))
     if rate:
         parts.append(f"{rate:,.0f} samples/s")

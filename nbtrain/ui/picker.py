@@ -73,7 +73,10 @@ class StrategyPicker:
         if display:
             from IPython.display import display as show
 
+            from . import mark_shown
+
             show(self.widget)
+            mark_shown(self)
 
     # -- actions -----------------------------------------------------------------------
     def start(self, strategy: str | None = None) -> Run:
@@ -183,7 +186,10 @@ class StrategyPicker:
     def _ipython_display_(self) -> None:
         from IPython.display import display as show
 
-        show(self.widget)
+        from . import shown_here
+
+        if not shown_here(self):
+            show(self.widget)
 
     def __repr__(self) -> str:
         return (f"<StrategyPicker {getattr(self.fn, '__name__', 'fn')} "

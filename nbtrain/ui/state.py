@@ -30,6 +30,9 @@ class LiveState:
         self.step_ms: dict[int, Series] = {}  # rank -> ms by step
         self.rate: dict[int, Series] = {}  # rank -> samples/s by step
         self.steps: dict[int, int] = {}
+        # From rank 0's last Step: (epoch, batches per epoch, planned total steps).
+        self.plan: tuple[int, int, int] = (0, 0, 0)
+        self.last_step = -1  # rank 0's last finished step index
         self.samples: dict[int, int] = {}
         self.busy: dict[int, float] = {}  # seconds spent in timed steps
         self.memory: dict[int, dict[str, int]] = {}  # latest bytes by category
@@ -68,6 +71,9 @@ class LiveState:
                 last[name] = value
         elif isinstance(e, Step):
             self.steps[rank] = self.steps.get(rank, 0) + 1
+            if rank == 0:
+                self.plan = (e.epoch, e.epoch_steps, e.total_steps)
+                self.last_step = e.step
             if self.steps[rank] == 1:
                 return  # the first step includes the warm-up; leave it out of the curves
             self.step_ms.setdefault(rank, Series(self.max_points)).append(
