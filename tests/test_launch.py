@@ -195,3 +195,14 @@ with warnings.catch_warnings(record=True) as w:
     cores = len(os.sched_getaffinity(0))
     assert f"fresh {cores} 0" in done.stdout
     assert "after 1 True" in done.stdout
+
+
+def test_workers_exit_cleanly_run_after_run():
+    """Regression: a worker used to hang at exit in the gloo process group's destructor
+    (it joins its thread holding the GIL, the thread waits for the GIL). Workers now
+    leave without running destructors."""
+    from workloads import log_many
+
+    for _ in range(6):
+        run = nbtrain.launch(log_many, 30, devices=2, telemetry=False, timeout=60)
+        assert run.results == [30, 30]

@@ -67,18 +67,26 @@ FAILURE = b"E"
 def main(spec: WorkerSpec, payload: Any, control, out_w, err_w) -> None:
     """Entry point of a worker process. Never returns: the process exits here."""
     _become_worker(spec, out_w, err_w)
-    code = 0
     try:
-        code = _run(spec, payload, control)
+        _run(spec, payload, control)  # exits the process itself
     except BaseException:  # the reporting itself failed; say so on stderr
         traceback.print_exc()
-        code = 1
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
+    _exit(1)
+
+
+def _exit(code: int) -> None:
+    """Flush and leave at once, without tearing anything down.
+
+    Destructors are skipped on purpose: a gloo process group's destructor joins its
+    worker thread while holding the GIL, and that thread may need the GIL to free a
+    finished collective (seen hanging a worker forever after a DDP run). The process is
+    ending; the kernel has the result, and the OS reclaims sockets and memory.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
     os._exit(code)
 
 
@@ -109,7 +117,7 @@ def _become_worker(spec: WorkerSpec, out_w, err_w) -> None:
                                        errors="replace", closefd=False)
 
 
-def _run(spec: WorkerSpec, payload: Any, control) -> int:
+def _run(spec: WorkerSpec, payload: Any, control) -> None:
     os.environ.update(spec.environ())
     import torch
     import torch.distributed as dist
@@ -160,12 +168,9 @@ def _run(spec: WorkerSpec, payload: Any, control) -> int:
     if telemetry:
         telemetry.close()  # every event is in the kernel before the result is
     control.send_bytes(message)
-    if message[:1] != FAILURE and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
-    return 1 if message[:1] == FAILURE else 0
+    # No destroy_process_group(): see _exit. Every object stays alive until the process
+    # is gone, including the model (and its DDP reducer) that the context holds.
+    _exit(1 if message[:1] == FAILURE else 0)
 
 
 def _load(payload: Any):
