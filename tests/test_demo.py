@@ -16,9 +16,11 @@ def test_demo_runs_and_writes_a_self_contained_report(tmp_path, no_leftovers):
         assert text in out
     page = report.read_text()
     assert "<script src=\"http" not in page  # plotly's JavaScript is inlined
-    for text in ("loss per rank", "memory per rank by category", "ddp rank 1",
-                 "fsdp rank 0", "<pre>"):
-        assert text in page
+    for text in ("<h1>Comparison</h1>", "<h1>ddp</h1>", "<h1>fsdp</h1>",  # one figure each
+                 "Model state per rank", "Communication per step", "Step time per rank",
+                 "Logged metrics", "theory", "rank 1", "<pre>"):
+        assert text in page, text
+    assert page.count("Plotly.newPlot") == 3  # comparison + one dashboard per run
 
 
 def test_demo_help_lists_its_options():

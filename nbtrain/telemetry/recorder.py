@@ -42,6 +42,7 @@ class Recorder:
         self._epoch = (0, 0)  # (epoch, batches per epoch) of the step in progress
         self.total_steps = 0  # ctx.total_steps
         self._opt_steps = 0
+        self._opt_end = 0.0  # when the last optimizer step finished
         self._batches_seen = False
         self._paused = False
         self._activations = ActivationProbe() if options.profile_memory else None
@@ -122,6 +123,7 @@ class Recorder:
         if not self._batches_seen:  # no ctx.dataloader: optimizer steps are the steps
             self._boundary(self._opt_steps, 0)
         self._opt_steps += 1
+        self._opt_end = time.monotonic()
         every = self.options.memory_every
         if every and (self._opt_steps - 1) % every == 0:
             self.sample_memory(max(self._step, 0))
@@ -137,6 +139,11 @@ class Recorder:
         self.client.send(Memory(rank=self.rank, step=step, t=time.monotonic(), values=values))
 
     def close(self) -> None:
-        self._close_step(time.monotonic())
+        # The last step ends with its optimizer step, not with whatever the function did
+        # after the loop (gathering a state dict, evaluating).
+        end = time.monotonic()
+        if self._last is not None and self._opt_end > self._last:
+            end = self._opt_end
+        self._close_step(end)
         if self.comm:
             self.comm.uninstall()
