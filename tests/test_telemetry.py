@@ -148,3 +148,12 @@ def test_history_exports(runs, tmp_path):
     history.to_json(tmp_path / "h.json")
     kinds = {r["kind"] for r in json.loads((tmp_path / "h.json").read_text())}
     assert {"metric", "step", "memory", "comm", "lifecycle"} <= kinds
+
+
+def test_accumulation_micro_steps_do_not_all_reduce():
+    from workloads import accumulate_steps
+
+    run = nbtrain.launch(accumulate_steps, devices=2, dashboard=False)
+    comm = {e.step: e for e in run.history.events("comm", 0) if isinstance(e, Comm)}
+    assert sorted(comm) == [1, 3, 5, 7]  # the last micro-step of each pair
+    assert all(e.bytes["all_reduce"] == 4 * param_count() for e in comm.values())

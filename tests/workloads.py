@@ -276,3 +276,19 @@ def ckpt_train(ctx, path=None, load_from=None, steps=8, save_every=0, stop_after
             break
         time.sleep(sleep)
     return {"full": ctx.full_state_dict(model), "first": first}
+
+
+def accumulate_steps(ctx, micro=2):
+    """DDP with gradient accumulation: only every ``micro``-th batch all-reduces."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = ctx.setup(model, opt)
+    acc = ctx.accumulate(model, micro)
+    for x, y in ctx.dataloader(dataset(), batch_size=16):
+        with acc:
+            ctx.backward(nn.functional.cross_entropy(model(x), y) / micro)
+        if acc.ready:
+            opt.step()
+            opt.zero_grad()
+    return 0

@@ -1,7 +1,7 @@
 """Worker side: turns what the training loop does into events, without the user writing
 anything. Step boundaries come from ``ctx.dataloader`` batches (or, without it, from
 optimizer steps); memory is sampled after optimizer steps; collectives are tallied per
-step. With ``profile_memory``, the forward before a sampled optimizer step is watched
+step (DDP's bucket all-reduces from DDP's own bookkeeping, see probes.DDPBuckets). With ``profile_memory``, the forward before a sampled optimizer step is watched
 for the activations it saves."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from .options import Telemetry
 from .probes import (
     ActivationProbe,
     CommCounter,
+    DDPBuckets,
     cuda_memory,
-    ddp_python_allreduce,
     memory_by_category,
 )
 
@@ -41,6 +41,7 @@ class Recorder:
         self._samples = 0
         self._epoch = (0, 0)  # (epoch, batches per epoch) of the step in progress
         self.total_steps = 0  # ctx.total_steps
+        self._ddp: DDPBuckets | None = None
         self._opt_steps = 0
         self._opt_end = 0.0  # when the last optimizer step finished
         self._batches_seen = False
@@ -52,7 +53,7 @@ class Recorder:
         self._model = model
         self._optimizers = list(optimizers)
         if ddp and self.comm:
-            ddp_python_allreduce(model)
+            self._ddp = DDPBuckets(model)
         if self._optimizers:
             self._optimizers[0].register_step_post_hook(self._after_optimizer_step)
         if self._activations is not None:
@@ -113,6 +114,10 @@ class Recorder:
                               total_steps=self.total_steps))
         if self.comm:
             counts, sizes = self.comm.take()
+            buckets = self._ddp.take() if self._ddp is not None else []
+            if buckets:
+                counts["all_reduce"] = counts.get("all_reduce", 0) + len(buckets)
+                sizes["all_reduce"] = sizes.get("all_reduce", 0) + sum(buckets)
             if counts:
                 self.client.send(Comm(rank=self.rank, step=self._step, t=now,
                                       counts=counts, bytes=sizes))
