@@ -51,8 +51,8 @@ def _data():
 
 # -- nbtrain -----------------------------------------------------------------------------
 def nbtrain_step(ctx, fail: bool):
-    model, opt = ctx.setup(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = _model()
+    model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     for x, y in ctx.dataloader(_data(), batch_size=32):
         if ctx.rank == 0:
             _stamp()
