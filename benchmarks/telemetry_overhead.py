@@ -67,10 +67,15 @@ def main() -> None:
                 rates[mode].append(run.result)
         base = statistics.median(rates["off"])
         print(f"\n{strategy}: 2 CPU ranks, {args.steps} steps, median of {args.rounds} rounds")
-        print(f"{'telemetry':28s} {'steps/s':>9s} {'ratio to off':>13s}   (all rounds)")
+        print(f"{'telemetry':28s} {'steps/s':>9s} {'ratio to off':>13s} {'paired':>7s}   "
+              "(all rounds)")
         for mode, values in rates.items():
             med = statistics.median(values)
-            print(f"{mode:28s} {med:9.1f} {med / base:13.3f}   "
+            # The machine drifts between rounds; each round's ratio to its own "off" run
+            # cancels most of that drift.
+            paired = statistics.median(v / off for v, off in zip(values, rates["off"],
+                                                                  strict=True))
+            print(f"{mode:28s} {med:9.1f} {med / base:13.3f} {paired:7.3f}   "
                   + " ".join(f"{v:.1f}" for v in values))
 
 
