@@ -124,7 +124,7 @@ def empty_figure(height: int = 560):
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=2, cols=3, subplot_titles=[p[2] for p in PANELS.values()],
-                        horizontal_spacing=0.08, vertical_spacing=0.16)
+                        horizontal_spacing=0.11, vertical_spacing=0.16)
     for row, col, _, xlabel, ylabel in PANELS.values():
         fig.update_xaxes(title_text=xlabel, row=row, col=col)
         fig.update_yaxes(title_text=ylabel, row=row, col=col)
