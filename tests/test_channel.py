@@ -50,6 +50,16 @@ def test_every_event_arrives_in_order_per_rank():
         assert steps == list(range(500))
 
 
+def _hung_up(sock) -> bool:
+    """The server closed the connection: end-of-file, or a reset when it closed with our
+    bytes still unread (the kernel then answers with RST instead of FIN)."""
+    sock.settimeout(5)
+    try:
+        return sock.recv(10) == b""
+    except ConnectionResetError:
+        return True
+
+
 def _raw(server, token, rank=0):
     sock = socket.create_connection(server.address)
     sock.sendall(frame(json.dumps({"token": token, "rank": rank}).encode()))
@@ -62,13 +72,11 @@ def test_wrong_token_is_refused():
     try:
         sock = _raw(server, "not-the-token")
         sock.sendall(frame(encode(Metric(rank=0, step=0, t=0.0, values={"x": 1.0}))))
-        sock.settimeout(5)
-        assert sock.recv(10) == b""  # the server hung up
+        assert _hung_up(sock)
         sock.close()
         nohello = socket.create_connection(server.address)
         nohello.sendall(frame(b"hello?"))
-        nohello.settimeout(5)
-        assert nohello.recv(10) == b""
+        assert _hung_up(nohello)
         nohello.close()
         assert server.refused == 2
         assert sink.events == []
@@ -109,7 +117,7 @@ def test_a_slow_consumer_never_blocks_the_sender():
             t = time.perf_counter()
             client.send(Metric(rank=0, step=step, t=0.0, values={"loss": 1.0, "pad": 2.0}))
             slowest = max(slowest, time.perf_counter() - t)
-        assert slowest < 0.05, f"a send blocked for {slowest:.3f}s"
+        assert slowest < 0.2, f"a send blocked for {slowest:.3f}s"  # the consumer needs 20 s
         assert client.dropped > 0  # the bounded buffer overflowed and counted it
     finally:
         client._closing = True

@@ -119,7 +119,7 @@ def test_a_slow_consumer_never_stalls_the_workers():
     run = nbtrain.launch(log_many, 300, devices=2, sinks=[sink])
     steps = [e.duration for e in run.history.events("step")]
     assert len(steps) == 600
-    assert sum(steps) / len(steps) < 0.025
+    assert sum(steps) / len(steps) < 0.04  # a step that waited for the sink takes >= 0.05 s
     assert len(run.history.metric("i", 1)) == 300  # the history has everything
     assert sink.calls < sink.events and sink.closed == "done"  # batched, and told the end
 
