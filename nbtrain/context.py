@@ -53,7 +53,7 @@ class Context:
         self._init_recording = None  # from ctx.init_module()
         self._model_of: dict[int, nn.Module] = {}  # id(optimizer) -> the model it trains
         # The checkpoint given to launch(resume=...), or None: load it to go on from there.
-        self.resume_from: str | None = getattr(spec, "resume_from", None)
+        self.resume_from: str | None = spec.resume_from
 
     @property
     def is_main(self) -> bool:
@@ -282,7 +282,9 @@ class Context:
     def total_steps(self) -> int | None:
         """How many steps the function will run, if it says so (``ctx.total_steps = n``):
         the dashboard then shows progress against it and an ETA."""
-        return self._recorder.total_steps or None if self._recorder is not None else None
+        if self._recorder is None or not self._recorder.total_steps:
+            return None
+        return self._recorder.total_steps
 
     @total_steps.setter
     def total_steps(self, value: int | None) -> None:
@@ -413,8 +415,9 @@ class DeviceLoader:
         self.sampler.set_epoch(self.epoch)
         device = self._ctx.device
         non_blocking = device.type == "cuda"
+        steps = len(self.loader)
         for batch in self.loader:
-            self._ctx._on_batch(_batch_size(batch), self.epoch, len(self.loader))
+            self._ctx._on_batch(_batch_size(batch), self.epoch, steps)
             yield _to_device(batch, device, non_blocking)
         self._ctx._on_epoch_end()
         self.epoch += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from .fork import ForkLauncher
 from .guards import choose_start_method, fork_threads
 from .launcher import Launcher
 from .spawn import SpawnLauncher
-from .supervisor import Supervisor
+from .supervisor import Supervisor, kill_group
 from .worker import WorkerSpec
 
 __all__ = ["launch"]
@@ -158,10 +159,7 @@ def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetr
         del store
     except BaseException:
         for h in handles:
-            try:
-                os.killpg(h.pid, 9)
-            except OSError:
-                pass
+            kill_group(h.pid, signal.SIGKILL)
             h.process.join(5)
         for close in cleanup:
             close()

@@ -143,7 +143,7 @@ class Supervisor:
     def _signal_alive(self, sig: int) -> None:
         for w in self.workers.values():
             if w.exitcode is None:
-                _kill_group(w.handle.pid, sig)
+                kill_group(w.handle.pid, sig)
 
     def _handle(self, what: str, w: _Worker | None) -> None:
         if what == "wake":
@@ -184,7 +184,7 @@ class Supervisor:
         self._forget(h.process.sentinel)
         # Until it is reaped the worker's pid (its group id) cannot be reused: end anything
         # it started and left behind (DataLoader workers), then reap it.
-        _kill_group(h.pid, signal.SIGKILL)
+        kill_group(h.pid, signal.SIGKILL)
         h.process.join(timeout=5)
         w.exitcode = h.process.exitcode if h.process.exitcode is not None else -signal.SIGKILL
         while w.control_open and _poll(h.control):  # a report sent just before exit
@@ -248,7 +248,7 @@ class Supervisor:
         for w in self.workers.values():
             h = w.handle
             if h.process.exitcode is None:
-                _kill_group(h.pid, signal.SIGKILL)
+                kill_group(h.pid, signal.SIGKILL)
                 h.process.join(timeout=5)
             for conn in (h.control, h.out, h.err):
                 with contextlib.suppress(OSError):
@@ -268,7 +268,7 @@ def _poll(conn) -> bool:
         return False
 
 
-def _kill_group(pid: int, sig: int) -> None:
+def kill_group(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
     except ProcessLookupError:
