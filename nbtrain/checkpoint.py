@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -107,7 +108,10 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
         import torch.distributed.checkpoint as dcp
 
         data = {key: _state_dict(kind, obj, model) for key, kind, obj, model in entries}
-        dcp.load(data, checkpoint_id=path, no_dist=not _distributed())
+        with warnings.catch_warnings():  # loading in the notebook, without a process group,
+            # is what no_dist=True asks for; DCP still warns that it assumes so
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(data, checkpoint_id=path, no_dist=not _distributed())
     else:
         # Memory-mapped: each rank reads only what it copies, its shards.
         saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
