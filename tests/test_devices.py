@@ -51,7 +51,7 @@ def test_gpu_lists_and_counts(gpus):
     assert parse_devices(-1, "cuda").indices == (0, 1, 2, 3)
     assert parse_devices([0, 2], "cuda").indices == (0, 2)
     assert parse_devices("1,3", "gpu").indices == (1, 3)
-    assert parse_devices(2, "cuda").backend == "nccl"
+    assert parse_devices(2, "cuda").backend == "cpu:gloo,cuda:nccl"  # CPU tensors too
     with pytest.raises(ValueError, match="sees 4"):
         parse_devices(8, "cuda")
     with pytest.raises(ValueError, match="no GPU with index 7"):

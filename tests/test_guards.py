@@ -1,9 +1,17 @@
+"""Fork safety. The decision runs on CPU here with fakes where a GPU machine is needed: a
+fake GPU count (NVML), a fake torch with CUDA built in, and children 'poisoned' the way
+torch poisons them (a flag set by an at-fork handler, read in the forked canary)."""
+
 import os
+import time
 import warnings
 
+import psutil
 import pytest
+import torch
 
 from nbtrain.launch import guards
+from nbtrain.launch.devices import parse_devices
 
 
 def test_cpu_kernel_forks():
@@ -33,16 +41,70 @@ def test_forced_fork_refuses_with_the_remedy(cuda_initialised):
         guards.choose_start_method("fork")
 
 
-def test_driver_probe_sees_an_open_uvm_handle(tmp_path):
-    fds = tmp_path / "fd"
-    fds.mkdir()
-    os.symlink("/dev/null", fds / "0")
-    os.symlink("/dev/nvidiactl", fds / "1")  # NVML (counting GPUs) opens this: still safe
-    assert guards.cuda_driver_initialized(str(fds)) is None
-    os.symlink("/dev/nvidia-uvm", fds / "7")  # cuInit opens this
-    assert "nvidia-uvm" in guards.cuda_driver_initialized(str(fds))
+# What torch does on `torch.cuda.is_available()`: it registers an at-fork handler that
+# marks every later child as a bad fork. The fake does the same with a flag of its own.
+_poisoned = {"parent": False, "child": False}
+os.register_at_fork(after_in_child=lambda: _poisoned.update(child=_poisoned["parent"]))
 
 
-def test_probes_are_clean_in_this_process():
+def _fake_child_probe() -> str | None:
+    return "CUDA was queried in this kernel (simulated)" if _poisoned["child"] else None
+
+
+@pytest.fixture
+def gpu_machine(monkeypatch):
+    """A CUDA build of torch with two GPUs counted through NVML; the canary runs a fake."""
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(guards, "CHILD_PROBE", _fake_child_probe)
+    yield
+    _poisoned["parent"] = False
+
+
+def test_counting_gpus_keeps_fork(gpu_machine):
+    plan = parse_devices("auto")
+    assert plan.accelerator == "cuda" and plan.world_size == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert guards.choose_start_method("auto") == "fork"
+
+
+def test_a_poisoned_child_means_spawn_with_the_true_reason(gpu_machine):
+    _poisoned["parent"] = True  # what torch.cuda.is_available() would have done
+    assert not _poisoned["child"]  # the parent itself is not marked: only its children
+    with pytest.warns(RuntimeWarning, match=r"spawn instead of fork because CUDA was queried"):
+        assert guards.choose_start_method("auto") == "spawn"
+    with pytest.raises(RuntimeError, match="CUDA was queried"):
+        guards.choose_start_method("fork")
+
+
+def test_the_canary_is_timed_out_and_reaped(no_leftovers):
+    started = time.monotonic()
+    reason = guards.forked_child_reason(lambda: time.sleep(60), timeout=0.3, hung="it hung")
+    assert reason == "it hung"
+    assert time.monotonic() - started < 5
+    assert not psutil.Process().children()
+
+
+def test_a_failing_probe_is_a_reason_not_a_crash(no_leftovers):
+    def probe():
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    assert guards.forked_child_reason(probe) == \
+        "OSError: libcuda.so.1: cannot open shared object file"
+    assert guards.forked_child_reason(lambda: None) is None
+
+
+def test_the_real_probe_is_clean_in_this_process(no_leftovers):
     assert guards.torch_cuda_initialized() is None
-    assert guards.cuda_driver_initialized() is None
+    assert guards.forked_child_reason(guards.cuda_probe) is None  # no bad fork, no libcuda
+    assert guards.fork_unsafe_reason() is None
+
+
+def test_libcuda_is_found_in_the_process_maps(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1\n")
+    assert not guards.libcuda_loaded(str(maps))  # NVML alone: counting GPUs
+    maps.write_text(maps.read_text() + "7f02-7f03 r-xp 0 08:01 2 /usr/lib/libcuda.so.580.1\n")
+    assert guards.libcuda_loaded(str(maps))
+    assert not guards.libcuda_loaded(str(tmp_path / "missing"))

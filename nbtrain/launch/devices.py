@@ -29,7 +29,9 @@ class DevicePlan:
 
     @property
     def backend(self) -> str:
-        return "nccl" if self.accelerator == "cuda" else "gloo"
+        """The process group's backend. On CUDA, NCCL serves GPU tensors and gloo serves
+        CPU ones (object collectives, checkpoint planning, a user's CPU metrics)."""
+        return "cpu:gloo,cuda:nccl" if self.accelerator == "cuda" else "gloo"
 
 
 def cuda_device_count() -> int:

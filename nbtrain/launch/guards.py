@@ -1,15 +1,25 @@
 """Checks that run before anything starts, and the choice between fork and spawn.
 
-Forking a process whose CUDA driver is initialised gives children that die with
-"Cannot re-initialize CUDA in forked subprocess" (or hang). ``torch.cuda.is_initialized()``
-only knows about torch's own initialisation; another library (CuPy, Numba, JAX, a
-``nvidia-smi`` binding) can initialise the driver behind torch's back. The driver-level
-probe looks for what an initialised driver leaves in the process: an open
-``/dev/nvidia-uvm`` handle, which ``cuInit`` opens and NVML (used to count GPUs) does not.
+A forked child of a process whose CUDA is initialised cannot use CUDA: it dies with
+"Cannot re-initialize CUDA in forked subprocess" (torch) or gets errors from the driver.
+What the parent's own state says is not enough on a real GPU machine:
+
+- ``torch.cuda.is_available()`` poisons fork (torch asks the CUDA runtime for the device
+  count and marks every later child as a bad fork), yet ``torch.cuda.is_initialized()``
+  stays False;
+- counting GPUs through NVML (``torch.cuda.device_count()``) opens ``/dev/nvidia-uvm`` on
+  some drivers, yet a child forked after it uses CUDA fine;
+- another library (CuPy, JAX, Numba) can initialise the driver behind torch's back.
+
+So the check asks a forked child — the canary — what a worker would find: whether torch
+sees a bad fork, and, when the CUDA driver library is loaded in the kernel, whether
+``cuInit`` works there. A fork of the kernel costs milliseconds; it runs only when this
+torch has CUDA.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -23,35 +33,77 @@ import torch
 StartMethod = Literal["fork", "spawn"]
 START_METHODS = ("auto", "fork", "spawn")
 
-_UVM_DEVICES = ("/dev/nvidia-uvm",)
-
 
 def torch_cuda_initialized() -> str | None:
     if torch.cuda.is_initialized():
-        return "torch has initialised CUDA in this kernel (a tensor was moved to a GPU, or " \
-               "torch.cuda was queried)"
+        return "torch has initialised CUDA in this kernel (a tensor was put on a GPU)"
     return None
 
 
-def cuda_driver_initialized(fd_dir: str = "/proc/self/fd") -> str | None:
-    """Driver-level probe: is a CUDA context's device handle open in this process?"""
+def libcuda_loaded(maps: str = "/proc/self/maps") -> bool:
+    """Is the CUDA driver library mapped into this process (someone may have inited it)?"""
     try:
-        names = os.listdir(fd_dir)
+        with open(maps) as f:
+            return any("libcuda.so" in line for line in f)
     except OSError:
-        return None
-    for name in names:
-        try:
-            target = os.readlink(os.path.join(fd_dir, name))
-        except OSError:
-            continue
-        if target in _UVM_DEVICES:
-            return f"the CUDA driver is initialised in this kernel ({target} is open), " \
-                   "possibly by a library other than torch"
+        return False
+
+
+def cuda_probe() -> str | None:
+    """Runs in the forked canary: can this child use CUDA as a worker would?"""
+    if torch.cuda._is_in_bad_fork():
+        return ("CUDA was queried through torch in this kernel (torch.cuda.is_available() "
+                "or another torch.cuda call), and forked children cannot use CUDA after that")
+    if libcuda_loaded():
+        code = ctypes.CDLL("libcuda.so.1").cuInit(0)
+        if code != 0:
+            return ("the CUDA driver was initialised in this kernel by a library other than "
+                    f"torch (cuInit in a forked child returned error {code})")
     return None
 
 
-# Named checks, each returning why forking is unsafe, or None. Tests add fakes here.
-FORK_CHECKS: list[Callable[[], str | None]] = [torch_cuda_initialized, cuda_driver_initialized]
+def forked_child_reason(probe: Callable[[], str | None], timeout: float = 5.0,
+                        hung: str = "a forked child hung") -> str | None:
+    """Fork a canary that runs ``probe``; its answer, or ``hung`` when it does not finish
+    within ``timeout`` seconds (it is then killed)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the canary: answer and leave without running anything of the parent's
+        try:
+            os.close(read)
+            answer = probe()
+            os.write(write, (answer or "").encode()[:4000])
+        except BaseException as err:
+            os.write(write, f"{type(err).__name__}: {err}".encode()[:4000])
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.read(read, 4096).decode(errors="replace") or None
+            time.sleep(0.002)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return hung
+    finally:
+        os.close(read)
+
+
+def forked_child_cannot_use_cuda() -> str | None:
+    if not torch.backends.cuda.is_built():
+        return None  # a CPU build of torch: no CUDA for a child to miss
+    return forked_child_reason(CHILD_PROBE, hung="a forked child hung trying to use CUDA")
+
+
+# The probe the canary runs; tests put a fake here.
+CHILD_PROBE: Callable[[], str | None] = cuda_probe
+
+# Named checks, each returning why forking is unsafe, or None; the cheap one first.
+FORK_CHECKS: list[Callable[[], str | None]] = [torch_cuda_initialized,
+                                               forked_child_cannot_use_cuda]
 
 
 def fork_unsafe_reason() -> str | None:
@@ -103,23 +155,15 @@ def openmp_works_after_fork(threads: int, timeout: float = 5.0) -> bool:
         return True
     if _openmp_hangs_after_fork:
         return False
-    pid = os.fork()
-    if pid == 0:  # the canary
-        try:
-            torch.set_num_threads(threads)
-            (torch.ones(1 << 20) * 2).sum()
-        finally:
-            os._exit(0)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return True
-        time.sleep(0.005)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    _openmp_hangs_after_fork = True
-    return False
+
+    def parallel_op() -> None:
+        torch.set_num_threads(threads)
+        (torch.ones(1 << 20) * 2).sum()
+
+    if forked_child_reason(parallel_op, timeout, hung="hung") == "hung":
+        _openmp_hangs_after_fork = True
+        return False
+    return True
 
 
 def fork_threads(threads: int | None) -> int | None:

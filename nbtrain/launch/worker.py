@@ -34,7 +34,7 @@ class WorkerSpec:
     world_size: int
     accelerator: str  # "cpu" or "cuda"
     device_index: int | None
-    backend: str  # "gloo" or "nccl"
+    backend: str  # "gloo", or "cpu:gloo,cuda:nccl" on CUDA
     store_host: str
     store_port: int
     telemetry_address: tuple[str, int] | None
