@@ -123,3 +123,48 @@ def test_twenty_launches_in_a_row_leave_nothing_behind(k, kernel_clean):
     assert "ok True" in reply.stdout
     assert "grew nothing" in reply.stdout, reply.stdout
     assert "env True" in reply.stdout
+
+
+WARM = """
+import sys
+from torch import nn
+
+def first_step(ctx):
+    # What a worker imports from its start to the end of its first training step: a
+    # forked worker of a warm kernel imports next to nothing (torch._dynamo, which the
+    # first optimizer pulls in with ~800 modules, is already there).
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = ctx.setup(model, opt)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    for x, y in ctx.dataloader(data, batch_size=16):
+        ctx.backward(nn.functional.cross_entropy(model(x), y))
+        opt.step()
+        break
+    new = set(sys.modules) - KERNEL_MODULES
+    return len(new), sorted(m for m in new if m.startswith("torch._dynamo"))[:5]
+"""
+
+
+def test_import_stays_light():
+    """Warming up is the first launch's work, not ``import nbtrain``'s."""
+    import subprocess
+    import sys
+
+    code = "import sys, nbtrain; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_launches_start_warm(kernel_clean):
+    """The kernel pays once for what every forked worker would import on every launch."""
+    kernel = kernel_clean
+    assert kernel.run(WARM).error is None
+    for launch in range(3):
+        count, dynamo = kernel.value("""
+            KERNEL_MODULES = set(sys.modules)
+            nbtrain.launch(first_step, devices=2, accelerator="cpu").results[0]
+        """)
+        if launch:  # the first launch's count holds what the kernel itself imported
+            assert dynamo == [] and count < 40, (count, dynamo)  # cold: ~845, torch._dynamo
+    assert kernel.value("'torch._dynamo' in sys.modules")

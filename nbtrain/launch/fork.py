@@ -10,6 +10,7 @@ import multiprocessing
 from typing import Any
 
 from .launcher import WorkerHandle, start_with_context
+from .warm import warm_kernel
 from .worker import WorkerSpec
 
 
@@ -21,6 +22,7 @@ class ForkLauncher:
         self._context = multiprocessing.get_context("fork")
 
     def prepare(self, fn, args: tuple, kwargs: dict, strategy) -> Any:
+        warm_kernel(strategy.warm_imports)  # once per kernel, not once per worker
         return (fn, args, kwargs, strategy)
 
     def start(self, spec: WorkerSpec, payload: Any) -> WorkerHandle:

@@ -36,6 +36,9 @@ class Strategy:
 
     description: ClassVar[str] = ""
     accelerators: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    # Modules the strategy imports in every worker; a fork launch imports them once in
+    # the kernel instead (see launch/warm.py).
+    warm_imports: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         if self.mixed_precision not in PRECISIONS:
