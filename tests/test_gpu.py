@@ -47,6 +47,11 @@ def test_offload_keeps_the_shards_off_the_gpu():
     run = nbtrain.launch(train, devices=_ranks(), accelerator="cuda", strategy="fsdp_offload",
                          telemetry=nbtrain.Telemetry(memory_every=1))
     assert run.result["loss"] < 2.0
+    mem = run.history.events("memory", 0)[-1].values  # the shards live in host memory
+    n = _ranks()
+    assert mem["params"] == mem["grads"] == mem["optimizer"] == 0, mem
+    assert mem["params_host"] >= 4 * param_count() / n and mem["optimizer_host"] > 0, mem
+    assert "params (host) MB" in str(run.summary())
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

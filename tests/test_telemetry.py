@@ -157,3 +157,27 @@ def test_accumulation_micro_steps_do_not_all_reduce():
     comm = {e.step: e for e in run.history.events("comm", 0) if isinstance(e, Comm)}
     assert sorted(comm) == [1, 3, 5, 7]  # the last micro-step of each pair
     assert all(e.bytes["all_reduce"] == 4 * param_count() for e in comm.values())
+
+
+def test_host_resident_bytes_are_reported_apart_on_a_gpu_run():
+    import torch
+
+    from nbtrain.telemetry.probes import memory_by_category
+    from nbtrain.telemetry.summary import summarize
+
+    model = torch.nn.Linear(100, 10)  # 1010 parameters, in host memory
+    model(torch.randn(4, 100)).sum().backward()
+    opt = torch.optim.Adam(model.parameters())
+    opt.step()
+    on_cpu = memory_by_category(model, [opt], torch.device("cpu"))
+    assert on_cpu == {"params": 4040, "grads": 4040, "optimizer": 8080}  # the host is the device
+    # What an offloaded shard looks like to a CUDA run: nothing on the GPU, all on the host.
+    offloaded = memory_by_category(model, [opt], torch.device("cuda", 0))
+    assert offloaded == {"params": 0, "grads": 0, "optimizer": 0, "params_host": 4040,
+                         "grads_host": 4040, "optimizer_host": 8080}
+    from nbtrain.telemetry.history import History
+
+    history = History()
+    history.append(Memory(rank=0, step=1, t=0.0, values=offloaded))
+    text = str(summarize(history, 1))
+    assert "params (host) MB" in text and "optimizer (host) MB" in text

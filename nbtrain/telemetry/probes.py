@@ -3,7 +3,8 @@ of the collectives each step issues.
 
 Memory. Process RSS does not move with the strategy on CPU (and the allocator's
 figures do not exist there), so the categories come from the tensors: parameters,
-gradients and optimizer state. A DTensor (FSDP2) counts its local shard's storage, which
+gradients and optimizer state, on the run's device; on a GPU run, bytes in host memory
+(FSDP's CPU offload) are reported apart as ``<category>_host``. A DTensor (FSDP2) counts its local shard's storage, which
 includes FSDP's padding; a storage shared by several tensors (tied weights, DDP's bucket
 views) counts once. Optimizer step counters (0-d tensors, 4 bytes each) are left out.
 A ``ZeroRedundancyOptimizer`` (zero1) keeps this rank's partition of the state in its
@@ -44,7 +45,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") and hasattr(t, "device_mesh") else t
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set,
+                   host: list[int] | None = None) -> int:
+    """Bytes of the distinct storages; with ``host``, CPU-resident bytes go there instead
+    (a CUDA run's offloaded shards live in host memory, not on the GPU)."""
     total = 0
     for t in tensors:
         if t is None:
@@ -55,27 +59,38 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:
         if storage.data_ptr() == 0 or key in seen:
             continue
         seen.add(key)
-        total += storage.nbytes()
+        if host is not None and t.device.type == "cpu":
+            host[0] += storage.nbytes()
+        else:
+            total += storage.nbytes()
     return total
 
 
 def memory_by_category(model: nn.Module | None,
-                       optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, int]:
-    """``{"params", "grads", "optimizer"}`` bytes held by this rank."""
-    seen: set = set()
-    params = list(model.parameters()) if model is not None else []
-    values = {
-        "params": _storage_bytes(params, seen),
-        "grads": _storage_bytes((p.grad for p in params), seen),
-    }
+                       optimizers: Iterable[torch.optim.Optimizer],
+                       device: torch.device | None = None) -> dict[str, int]:
+    """``{"params", "grads", "optimizer"}`` bytes held by this rank on its device.
+
+    On a GPU run, what lives in host memory instead (FSDP's CPU offload) is reported
+    apart as ``params_host``, ``grads_host`` and ``optimizer_host``, when there is any.
+    """
     from ..strategies.zero import local_optimizer
 
+    seen: set = set()
+    on_gpu = device is not None and device.type != "cpu"
+    params = list(model.parameters()) if model is not None else []
     state: list[torch.Tensor] = []
     for opt in optimizers:
         for per_param in local_optimizer(opt).state.values():
             state += [v for v in per_param.values()
                       if isinstance(v, torch.Tensor) and v.dim() > 0]
-    values["optimizer"] = _storage_bytes(state, seen)
+    values: dict[str, int] = {}
+    for name, tensors in (("params", params), ("grads", (p.grad for p in params)),
+                          ("optimizer", state)):
+        host = [0] if on_gpu else None
+        values[name] = _storage_bytes(tensors, seen, host)
+        if host and host[0]:
+            values[f"{name}_host"] = host[0]
     return values
 
 

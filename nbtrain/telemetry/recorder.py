@@ -134,10 +134,11 @@ class Recorder:
             self.sample_memory(max(self._step, 0))
 
     def sample_memory(self, step: int) -> None:
-        values = memory_by_category(self._model, self._optimizers)
+        values = memory_by_category(self._model, self._optimizers, self.device)
         if self._activation_bytes is not None:
             values["activations"] = self._activation_bytes
-            values["peak"] = sum(values.values())
+            values["peak"] = sum(values[k] for k in ("params", "grads", "optimizer",
+                                                     "activations"))
             self._activation_bytes = None
         if self.device.type == "cuda":
             values.update(cuda_memory(self.device))

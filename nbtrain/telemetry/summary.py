@@ -10,8 +10,9 @@ from typing import Any
 from .events import Comm, Memory, Metric, Step
 from .history import History
 
-MEMORY_ORDER = ("params", "grads", "optimizer", "activations", "peak", "cuda_allocated",
-                "cuda_reserved", "cuda_peak", "device_used")
+MEMORY_ORDER = ("params", "grads", "optimizer", "activations", "peak", "params_host",
+                "grads_host", "optimizer_host", "cuda_allocated", "cuda_reserved", "cuda_peak",
+                "device_used")
 
 
 @dataclass
@@ -60,7 +61,8 @@ class Summary:
         memory_names = [k for k in MEMORY_ORDER if any(k in r.memory for r in self.ranks)]
         ops = list(dict.fromkeys(op for r in self.ranks for op in r.comm_per_step))
         header = (["rank", "steps", "step ms", "samples/s"] + metric_names
-                  + [f"{k} MB" for k in memory_names] + [f"{op}/step" for op in ops])
+                  + [f"{k.replace('_host', ' (host)')} MB" for k in memory_names]
+                  + [f"{op}/step" for op in ops])
         table = [header]
         for r in self.ranks:
             table.append(
