@@ -1,124 +1,132 @@
-"""How fast does a launch start training, and how fast does a failing rank come back?
+"""How fast does a launch start training, as a notebook user sees it?
 
-Side by side, in one process, interleaved: nbtrain fork, nbtrain spawn and, when they are
-installed (``pip install -e ".[bench]"``), Lightning's ``Trainer(strategy="ddp_notebook")``
-and accelerate's ``notebook_launcher`` on the same 2-rank CPU workload. Prints medians
-and ratios to nbtrain fork.
+Each launcher runs in a real Jupyter kernel of its own (jupyter_client, the way Jupyter
+drives one), with its defaults on: nbtrain's telemetry and dashboard, Lightning's
+progress bar. The workload is what a user writes: a ~1M-parameter MLP, AdamW, a
+DataLoader of 2 ranks on CPU (gloo). The kernels are alive at the same time and take
+turns, so load on the machine falls on every launcher alike. Ratios are to Lightning's
+``Trainer(strategy="ddp_notebook")``, the usual way to train from a notebook.
 
-  call -> first step: from the launching call until rank 0 starts its first training step
-  call -> error:      from the launching call until the launcher raises, rank 1 having
-                      raised at the start of its first step
+  first launch:   the kernel's first launch after `import` (a user's first run)
+  call -> step:   later launches, from the call until rank 0 starts its first step
+  call -> error:  later launches, until the call raises, rank 1 having raised at once
 
     python benchmarks/launch.py [--repeats 5]
+
+Lightning and accelerate come from ``pip install -e ".[bench]"`` (skipped without them).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
-import tempfile
-import time
-import warnings
+import sys
+import textwrap
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from kernel import Kernel  # noqa: E402  (the tests' jupyter_client driver)
+
+COMMON = """
+import json, os, tempfile, time, warnings
+import torch
 from torch import nn
-
-import nbtrain
-
+warnings.filterwarnings("ignore")
 STAMP = os.path.join(tempfile.gettempdir(), f"nbtrain-bench-{os.getpid()}.txt")
 
-
-def _stamp() -> None:
+def stamp():
     with open(STAMP, "w") as f:
         f.write(repr(time.monotonic()))
 
-
-def _read_stamp() -> float:
+def since(t):
     with open(STAMP) as f:
-        return float(f.read())
+        return float(f.read()) - t
 
+def make_model():  # 1.05M parameters
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(),
+                         nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
 
-def _model() -> nn.Module:
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 2))
-
-
-def _data():
+def make_data():
     g = torch.Generator().manual_seed(0)
-    return torch.utils.data.TensorDataset(torch.randn(256, 32, generator=g),
-                                          torch.randint(0, 2, (256,), generator=g))
+    return torch.utils.data.TensorDataset(torch.randn(512, 256, generator=g),
+                                          torch.randint(0, 10, (512,), generator=g))
+"""
 
+NBTRAIN = """
+import nbtrain
 
-# -- nbtrain -----------------------------------------------------------------------------
-def nbtrain_step(ctx, fail: bool):
-    model = _model()
-    model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    for x, y in ctx.dataloader(_data(), batch_size=32):
+def train(ctx, fail):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = ctx.setup(model, opt)
+    for x, y in ctx.dataloader(make_data(), batch_size=64, shuffle=True):
         if ctx.rank == 0:
-            _stamp()
+            stamp()
         if fail and ctx.rank == 1:
             raise ValueError("rank 1 fails on purpose")
         loss = nn.functional.cross_entropy(model(x), y)
         ctx.backward(loss)
         opt.step()
+        opt.zero_grad()
+        ctx.log(loss=loss)
         break
-    return 0
+    return loss.item()
 
-
-def run_nbtrain(method: str, fail: bool) -> float:
+def measure(fail):
     t = time.monotonic()
     try:
-        nbtrain.launch(nbtrain_step, fail, devices=2, accelerator="cpu", start_method=method,
-                       telemetry=False)
+        nbtrain.launch(train, fail, devices=2, accelerator="cpu", start_method=METHOD)
     except nbtrain.WorkerError:
         return time.monotonic() - t
-    return _read_stamp() - t
+    return since(t)
+"""
 
+LIGHTNING = """
+import lightning as L
 
-# -- Lightning ---------------------------------------------------------------------------
-def run_lightning(fail: bool) -> float:
-    import lightning as L
+class Module(L.LightningModule):
+    def __init__(self, fail):
+        super().__init__()
+        self.net, self.fail = make_model(), fail
 
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = _model()
+    def training_step(self, batch, i):
+        if self.global_rank == 0 and i == 0:
+            stamp()
+        if self.fail and self.global_rank == 1:
+            raise ValueError("rank 1 fails on purpose")
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
 
-        def training_step(self, batch, i):
-            if self.global_rank == 0 and i == 0:
-                _stamp()
-            if fail and self.global_rank == 1:
-                raise ValueError("rank 1 fails on purpose")
-            x, y = batch
-            return nn.functional.cross_entropy(self.net(x), y)
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
+def measure(fail):
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_notebook", max_steps=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
-    loader = torch.utils.data.DataLoader(_data(), batch_size=32)
+                        logger=False, enable_checkpointing=False)
+    loader = torch.utils.data.DataLoader(make_data(), batch_size=64, shuffle=True)
     t = time.monotonic()
     try:
-        trainer.fit(Module(), loader)
+        trainer.fit(Module(fail), loader)
     except Exception:
         return time.monotonic() - t
-    return _read_stamp() - t
+    return since(t)
+"""
 
+ACCELERATE = """
+from accelerate import Accelerator, notebook_launcher
 
-# -- accelerate --------------------------------------------------------------------------
-def _accelerate_fn(fail: bool):
-    from accelerate import Accelerator
-
+def train(fail):
     accelerator = Accelerator(cpu=True)
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = torch.utils.data.DataLoader(_data(), batch_size=32)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(make_data(), batch_size=64, shuffle=True)
     model, opt, loader = accelerator.prepare(model, opt, loader)
     for x, y in loader:
         if accelerator.process_index == 0:
-            _stamp()
+            stamp()
         if fail and accelerator.process_index == 1:
             raise ValueError("rank 1 fails on purpose")
         loss = nn.functional.cross_entropy(model(x), y)
@@ -126,16 +134,16 @@ def _accelerate_fn(fail: bool):
         opt.step()
         break
 
-
-def run_accelerate(fail: bool) -> float:
-    from accelerate import notebook_launcher
-
+def measure(fail):
     t = time.monotonic()
     try:
-        notebook_launcher(_accelerate_fn, (fail,), num_processes=2)
+        notebook_launcher(train, (fail,), num_processes=2)
     except Exception:
         return time.monotonic() - t
-    return _read_stamp() - t
+    return since(t)
+"""
+
+BASE = "Lightning ddp_notebook"
 
 
 def _available(module: str) -> bool:
@@ -146,38 +154,59 @@ def _available(module: str) -> bool:
         return False
 
 
+def contenders() -> dict[str, str]:
+    found = {"nbtrain fork": "METHOD = 'fork'\n" + NBTRAIN,
+             "nbtrain spawn": "METHOD = 'spawn'\n" + NBTRAIN}
+    if _available("lightning"):
+        found[BASE] = LIGHTNING
+    if _available("accelerate"):
+        found["accelerate notebook_launcher"] = ACCELERATE
+    return found
+
+
+def measure(kernel: Kernel, fail: bool) -> float:
+    reply = kernel.run(f"print(json.dumps(measure({fail})))", timeout=300)
+    if reply.error:
+        raise RuntimeError(f"{reply.error['ename']}: {reply.error['evalue']}\n"
+                           + "\n".join(reply.error["traceback"]))
+    return json.loads(reply.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    contenders = {"nbtrain fork": lambda fail: run_nbtrain("fork", fail),
-                  "nbtrain spawn": lambda fail: run_nbtrain("spawn", fail)}
-    if _available("lightning"):
-        contenders["Lightning ddp_notebook"] = run_lightning
-    if _available("accelerate"):
-        contenders["accelerate notebook_launcher"] = run_accelerate
-    skipped = [n for n in ("lightning", "accelerate") if not _available(n)]
-    times: dict[str, dict[str, list[float]]] = {n: {"step": [], "error": []} for n in contenders}
-    warnings.filterwarnings("ignore")
-    for fn in contenders.values():  # warm-up: first imports are not launch cost
-        fn(False)
-    for _ in range(args.repeats):
-        for name, fn in contenders.items():
-            times[name]["step"].append(fn(False))
-            times[name]["error"].append(fn(True))
-    base = {k: statistics.median(times["nbtrain fork"][k]) for k in ("step", "error")}
-    print(f"\n2 ranks on CPU (gloo), {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"median of {args.repeats}")
-    print(f"{'launcher':30s} {'call->first step':>17s} {'ratio':>6s} {'call->error':>12s} "
-          f"{'ratio':>6s}")
-    for name, t in times.items():
-        step, error = statistics.median(t["step"]), statistics.median(t["error"])
-        print(f"{name:30s} {step:16.3f}s {step / base['step']:6.2f} {error:11.3f}s "
-              f"{error / base['error']:6.2f}")
-    if skipped:
-        print(f"(not installed, skipped: {', '.join(skipped)}; pip install -e \".[bench]\")")
-    if os.path.exists(STAMP):
-        os.remove(STAMP)
+    codes = contenders()
+    kernels = {name: Kernel(startup=textwrap.dedent(COMMON)) for name in codes}
+    try:
+        first, times = {}, {name: {"step": [], "error": []} for name in codes}
+        for name, kernel in kernels.items():  # the definitions, in a cell of their own
+            reply = kernel.run(codes[name])
+            if reply.error:
+                raise RuntimeError(f"{name}: {reply.error['evalue']}")
+        for name, kernel in kernels.items():
+            first[name] = measure(kernel, False)
+        for _ in range(args.repeats):
+            for name, kernel in kernels.items():
+                times[name]["step"].append(measure(kernel, False))
+                times[name]["error"].append(measure(kernel, True))
+    finally:
+        for kernel in kernels.values():
+            kernel.shutdown()
+    med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+    base = BASE if BASE in med else "nbtrain fork"
+    print(f"\nIn a Jupyter kernel each: 2 ranks on CPU (gloo), 1.05M-parameter MLP + AdamW, "
+          f"defaults on; {os.cpu_count()} cores, torch {torch.__version__}; median of "
+          f"{args.repeats} later launches; ratios to {base}")
+    print(f"{'launcher':30s} {'first launch':>12s} {'call->step':>11s} {'ratio':>6s} "
+          f"{'call->error':>12s} {'ratio':>6s}")
+    for name in codes:
+        step, error = med[name]["step"], med[name]["error"]
+        print(f"{name:30s} {first[name]:11.3f}s {step:10.3f}s {step / med[base]['step']:6.2f} "
+              f"{error:11.3f}s {error / med[base]['error']:6.2f}")
+    missing = [n for n in ("lightning", "accelerate") if not _available(n)]
+    if missing:
+        print(f"(not installed, skipped: {', '.join(missing)}; pip install -e \".[bench]\")")
 
 
 if __name__ == "__main__":
