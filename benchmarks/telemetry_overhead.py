@@ -3,15 +3,21 @@
 The same 2-rank CPU training (~1M-parameter MLP, a few hundred steps, DDP and FSDP)
 with telemetry off, with the defaults (metrics, step times, memory every 10 steps,
 communication per step), with communication counting alone off, and with every probe
-on every step. Rounds are interleaved; each run's steps/s is measured inside rank 0's
-loop (launch and teardown excluded). Prints medians and ratios to "off".
+on every step. Rounds are interleaved, in an order that alternates between rounds; each
+run's steps/s is measured inside rank 0's loop (launch and teardown excluded).
 
-    python benchmarks/telemetry_overhead.py [--steps 300] [--rounds 3]
+On a shared 2-core machine one run's speed wanders by ±10 %, so a ratio of two runs says
+little. Each round's ratio to its own "off" run cancels the drift between rounds; the
+median of those paired ratios comes with a 90 % bootstrap interval: a cost of 3 % or more
+shows as an interval that lies below 0.97; noise, as a wide one around 1.
+
+    python benchmarks/telemetry_overhead.py [--steps 200] [--rounds 12]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -52,31 +58,37 @@ def train(ctx, steps: int):
     return (steps - 10) / (time.perf_counter() - start)
 
 
+def paired_interval(values: list[float], base: list[float], draws: int = 2000,
+                    seed: int = 0) -> tuple[float, float, float]:
+    """Median of the per-round ratios, and a 90 % bootstrap interval around it."""
+    ratios = [v / b for v, b in zip(values, base, strict=True)]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                     for _ in range(draws))
+    return statistics.median(ratios), medians[int(0.05 * draws)], medians[int(0.95 * draws)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--strategies", default="ddp,fsdp")
     args = parser.parse_args()
     for strategy in args.strategies.split(","):
         rates: dict[str, list[float]] = {mode: [] for mode in MODES}
-        for _ in range(args.rounds):
-            for mode, telemetry in MODES.items():
+        for i in range(args.rounds):
+            order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
+            for mode in order:
                 run = nbtrain.launch(train, args.steps, devices=2, accelerator="cpu",
-                                     strategy=strategy, telemetry=telemetry)
+                                     strategy=strategy, telemetry=MODES[mode])
                 rates[mode].append(run.result)
-        base = statistics.median(rates["off"])
-        print(f"\n{strategy}: 2 CPU ranks, {args.steps} steps, median of {args.rounds} rounds")
-        print(f"{'telemetry':28s} {'steps/s':>9s} {'ratio to off':>13s} {'paired':>7s}   "
-              "(all rounds)")
+        print(f"\n{strategy}: 2 CPU ranks, {args.steps} steps a run, {args.rounds} rounds")
+        print(f"{'telemetry':28s} {'steps/s':>9s} {'paired ratio to off':>20s} "
+              f"{'90% interval':>15s}")
         for mode, values in rates.items():
-            med = statistics.median(values)
-            # The machine drifts between rounds; each round's ratio to its own "off" run
-            # cancels most of that drift.
-            paired = statistics.median(v / off for v, off in zip(values, rates["off"],
-                                                                  strict=True))
-            print(f"{mode:28s} {med:9.1f} {med / base:13.3f} {paired:7.3f}   "
-                  + " ".join(f"{v:.1f}" for v in values))
+            med, low, high = paired_interval(values, rates["off"])
+            print(f"{mode:28s} {statistics.median(values):9.1f} {med:20.3f} "
+                  f"{low:7.3f}-{high:.3f}")
 
 
 if __name__ == "__main__":
