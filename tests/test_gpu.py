@@ -59,9 +59,10 @@ def test_offload_keeps_the_shards_off_the_gpu():
 def test_mixed_precision_trains(strategy, precision):
     chosen = nbtrain.strategies.get(strategy, mixed_precision=precision)
     run = nbtrain.launch(train, devices=_ranks(), accelerator="cuda", strategy=chosen)
-    single = train_single(world_size=_ranks())
+    # The same recipe in one process (fp16: the loss scaler skips the same steps).
+    single = train_single(world_size=_ranks(), precision=precision, device="cuda")
     for name, value in single.items():  # half precision: close, not equal
-        torch.testing.assert_close(run.result["full"][name], value, rtol=0.1, atol=0.05)
+        torch.testing.assert_close(run.result["full"][name], value, rtol=1e-2, atol=5e-3)
 
 
 def test_fork_after_cuda_init_falls_back_to_spawn_or_refuses():

@@ -50,21 +50,36 @@ def train(ctx, lr=1e-2, batch_size=16, epochs=1):
             "device": str(ctx.device), "world_size": ctx.world_size}
 
 
-def train_single(lr=1e-2, batch_size=16, world_size=2, epochs=1):
-    """The same training in one process: each step sees the union of the ranks' batches."""
+def train_single(lr=1e-2, batch_size=16, world_size=2, epochs=1, precision=None,
+                 device="cpu"):
+    """The same training in one process: each step sees the union of the ranks' batches.
+
+    With ``precision``, nbtrain's recipe: the model's forward under autocast, the loss on
+    its output, and for fp16 a GradScaler, which skips a step whose gradients overflow
+    (the first step here: its scaled gradients overflow fp16 at the initial scale).
+    """
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
     data = dataset()
     step = batch_size * world_size
     for _ in range(epochs):
         for start in range(0, N, step):
-            x, y = data[start:start + step]
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
+            x, y = (t.to(device) for t in data[start:start + step])
+            with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+                out = model(x)
+            loss = nn.functional.cross_entropy(out, y)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
             opt.zero_grad()
-    return model.state_dict()
+    return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
 def fail_on(ctx, mode, rank=1, after=0.0):
