@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,20 @@ _FILLS = {aten.uniform_.default, aten.normal_.default, aten.fill_.Scalar, aten.f
 @dataclass
 class Recording:
     storages: dict[int, _Storage] = field(default_factory=dict)  # key: the storage's address
+    registered: list = field(default_factory=list)  # weakrefs: tensors given to modules
+    versions: dict[int, tuple] = field(default_factory=dict)  # id -> (weakref, _version at exit)
+
+    def snapshot(self) -> None:
+        """Note each registered tensor's version counter as the block closes: an
+        in-place op after the block (not recorded) moves it."""
+        for r in self.registered:
+            t = r()
+            if t is not None:
+                self.versions[id(t)] = (r, t._version)
+
+    def changed_after(self, t: torch.Tensor) -> bool:
+        r, version = self.versions.get(id(t), (None, None))
+        return r is not None and r() is t and t._version != version
 
     def entry(self, t: torch.Tensor) -> _Storage:
         s = t.untyped_storage()
@@ -329,9 +344,26 @@ class _TensorData(torch.overrides.TorchFunctionMode):
 @contextlib.contextmanager
 def record(rec: Recording | None = None):
     """Create tensors on the meta device and record how to give them their values."""
+    from torch.nn.modules.module import (
+        register_module_buffer_registration_hook,
+        register_module_parameter_registration_hook,
+    )
+
     rec = rec if rec is not None else Recording()
-    with torch.device(_META), _TensorData(), _Recorder(rec), _recorded_inits(rec):
-        yield rec
+
+    def registered(module, name, value):
+        if _is_meta(value):
+            rec.registered.append(weakref.ref(value))
+
+    handles = [register_module_parameter_registration_hook(registered),
+               register_module_buffer_registration_hook(registered)]
+    try:
+        with torch.device(_META), _TensorData(), _Recorder(rec), _recorded_inits(rec):
+            yield rec
+    finally:
+        for h in handles:
+            h.remove()
+    rec.snapshot()
 
 
 def on_meta(module: nn.Module) -> bool:
@@ -352,6 +384,11 @@ def plan(module: nn.Module, rec: Recording | None) -> dict[tuple[int, str], _Ref
                     f"ctx.setup(): {type(m).__name__}.{name} is on the meta device but was "
                     "not created inside `with ctx.init_module():`, so its values are "
                     "unknown. Build the model inside that block, or on a real device.")
+            if rec.changed_after(t):
+                raise RuntimeError(
+                    f"ctx.setup(): {type(m).__name__}.{name} was changed in place after the "
+                    "`with ctx.init_module():` block; only what happens inside the block "
+                    "is replayed. Move that initialisation inside the block.")
             out[(id(m), name)] = rec.ref(t)
     return out
 
