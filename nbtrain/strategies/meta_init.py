@@ -22,10 +22,12 @@ later op overwrites (Linear's kaiming draw before ``_init_weights``'s normal dra
 skipped. At most one tensor's full values (and those it was computed from) exist at a
 time, and the global random state is left as it was.
 
-What cannot be replayed fails inside the block with what to do: an op that needs the
-values of a meta tensor (``.item()``, data-dependent shapes), an in-place op writing two
-tensors at once. Values set outside the block (after it, on the meta model) are not
-seen; ``plan`` refuses a meta tensor the block did not create.
+What cannot be replayed fails with what to do: inside the block, an op that needs the
+values of a meta tensor (``.item()``, data-dependent shapes) or writes two tensors at
+once; in ``plan``, a meta tensor the block did not create and an in-place change after
+the block to a tensor a module registered in it. Not seen: code that itself skips meta
+tensors (besides the ``nn.init`` functions wrapped here) and changes after the block
+through ``.data`` or to deep-copied modules.
 """
 
 from __future__ import annotations
