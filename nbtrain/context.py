@@ -112,13 +112,15 @@ class Context:
 
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         on_meta = meta_init.on_meta(model)
+        if on_meta:  # where each tensor's values come from, before sharding replaces it
+            refs = meta_init.plan(model, self._init_recording)
         sharded = on_meta and _shards(strategy)
         if on_meta and not sharded:  # whole parameters: materialise before wrapping
-            meta_init.materialize(model, self.device, self._init_recording)
+            meta_init.materialize(model, self.device, refs)
         wrapped = strategy.setup_module(model, self)
         if sharded:  # only this rank's shards are allocated
             device = torch.device("cpu") if getattr(strategy, "offload", False) else self.device
-            meta_init.materialize(wrapped, device, self._init_recording)
+            meta_init.materialize(wrapped, device, refs)
         inner = wrapped.module if isinstance(wrapped, nn.parallel.DistributedDataParallel) else wrapped
         current = {clean_name(n): p for n, p in inner.named_parameters(remove_duplicate=False)}
         for opt in optimizers:
@@ -140,18 +142,22 @@ class Context:
 
         Modules are created on the meta device (no memory, no time); ``ctx.setup`` then
         lets the strategy shard them and allocates and initialises only this rank's
-        shard, with the same values ordinary construction with the same seed gives::
+        shard, with the same values ordinary construction with the same seed gives (the
+        seed may be set before the block or inside it)::
 
-            torch.manual_seed(0)
             with ctx.init_module():
+                torch.manual_seed(0)
                 model = Net()
             model, opt = ctx.setup(model, torch.optim.AdamW(model.parameters()))
+
+        Everything that sets initial values must happen inside the block.
         """
         from .strategies import meta_init
 
-        with meta_init.record() as recording:
+        if self._init_recording is None:
+            self._init_recording = meta_init.Recording()
+        with meta_init.record(self._init_recording):
             yield
-        self._init_recording = recording
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled when the strategy trains in fp16."""

@@ -10,6 +10,8 @@ import torch
 from workloads import (
     Block,
     deep_param_count,
+    init_compare,
+    init_misuse,
     misuse,
     param_count,
     technique_single,
@@ -188,6 +190,36 @@ def test_init_module_gives_the_parameters_ordinary_initialisation_gives(strategy
     assert_same(run.result["full"], single["full"], f"{strategy} + init_module")
     if strategy == "fsdp":  # each rank allocated only its shard
         assert last_memory(run, 0)["params"] <= 0.51 * 4 * deep_param_count()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_grad_op", "zero1"])
+def test_init_module_builds_torch_transformers_and_gpt_as_ordinary_construction_does(strategy):
+    # MultiheadAttention's _reset_parameters, TransformerEncoder's deep copies and a
+    # parent's self.apply(self._init_weights), with the seed set before or inside the block
+    run = launch(init_compare, strategy, telemetry=False)
+    assert len(run.result) == 6
+    for case, got in run.result.items():
+        assert set(got["meta"]) == set(got["plain"]), case
+        for name, value in got["plain"].items():
+            assert torch.equal(got["meta"][name], value), f"{strategy}, {case}: {name} differs"
+        # the random stream after construction goes on as without the block
+        assert torch.equal(got["meta_next"], got["plain_next"]), case
+    plain = run.result["TinyGPT, seed inside"]["plain"]
+    assert torch.equal(plain["wte.weight"], plain["head.weight"])  # the tie survived
+    meta_tied, plain_tied = run.result["TinyGPT, seed inside"]["tied"]
+    assert meta_tied == plain_tied  # the head stays one Parameter with the embedding...
+    assert meta_tied or strategy.startswith("fsdp")  # ...where the strategy keeps it so
+
+
+@pytest.mark.parametrize("what,match", [
+    ("values", "needed the values of a tensor"),
+    ("outside", "not created inside `with ctx.init_module"),
+    ("after", "changed in place after the `with ctx.init_module"),
+])
+def test_init_module_refuses_what_it_cannot_replay_with_a_remedy(what, match):
+    with pytest.raises(nbtrain.WorkerError, match=match) as info:
+        launch(init_misuse, what=what, telemetry=False)
+    assert info.value.exc_type == "RuntimeError"
 
 
 @pytest.mark.parametrize("what,error,match", [

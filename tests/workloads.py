@@ -236,6 +236,99 @@ def technique_single(clip=None, precision=None, lr=1e-2, batch_size=16, world_si
     return {"full": model.state_dict(), "initial": initial, "norms": norms}
 
 
+# -- meta-device initialisation of torch's own and GPT-style models (test_techniques.py)
+class TinyGPT(nn.Module):
+    """GPT-style: parameters initialised again by the parent after the children were
+    built (``self.apply(self._init_weights)``, a scaled residual projection), a tied
+    head, a ``torch.tensor`` parameter, a computed buffer and a ``trunc_normal_``."""
+
+    def __init__(self, vocab=40, width=32, depth=2, block=8):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(block, width)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
+            for _ in range(depth))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.wte.weight = self.head.weight
+        self.gain = nn.Parameter(torch.tensor([1.0, 0.5]))
+        self.register_buffer("causal", torch.tril(torch.ones(block, block)))
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("linear2.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / (2 * depth) ** 0.5)
+        nn.init.trunc_normal_(self.wpe.weight, std=0.02)
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+INIT_MODELS = {
+    "TransformerEncoderLayer": lambda: nn.TransformerEncoderLayer(32, 4, 64),
+    "TransformerEncoder": lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64),
+                                                        3, enable_nested_tensor=False),
+    "TinyGPT": TinyGPT,
+}
+
+
+def init_compare(ctx, models=tuple(INIT_MODELS)):
+    """Each model built under ctx.init_module() (seed set before the block, then inside
+    it) and ordinarily, all set up by the strategy. On rank 0, per case: both full state
+    dicts, the next random numbers after construction and whether the head stays tied."""
+    out = {}
+    for name in models:
+        make = INIT_MODELS[name]
+        torch.manual_seed(0)
+        plain = make()
+        plain_next = torch.rand(4)
+        plain = ctx.setup(plain)
+        plain_state = ctx.full_state_dict(plain)
+        plain_inner = getattr(plain, "module", plain)
+        for seeded in ("before", "inside"):
+            torch.manual_seed(0 if seeded == "before" else 1234)
+            with ctx.init_module():
+                if seeded == "inside":
+                    torch.manual_seed(0)
+                model = make()
+            meta_next = torch.rand(4)
+            model = ctx.setup(model)
+            inner = getattr(model, "module", model)
+            out[f"{name}, seed {seeded}"] = {
+                "meta": ctx.full_state_dict(model), "plain": plain_state,
+                "meta_next": meta_next, "plain_next": plain_next,
+                "tied": (inner.wte.weight is inner.head.weight,
+                         plain_inner.wte.weight is plain_inner.head.weight)
+                if name == "TinyGPT" else None}
+    return out
+
+
+class NeedsValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.width = int(torch.randint(2, 5, ()).item())  # a value the meta device lacks
+        self.fc = nn.Linear(self.width, 1)
+
+
+def init_misuse(ctx, what):
+    """init_module cases that cannot be replayed: they must fail early with a remedy."""
+    if what == "values":
+        with ctx.init_module():
+            NeedsValues()
+    if what == "after":
+        with ctx.init_module():
+            model = Net()
+        nn.init.zeros_(model.head.weight)  # on the meta model, after the block
+        ctx.setup(model)
+    if what == "outside":
+        with torch.device("meta"):
+            model = Net()
+        ctx.setup(model)
+
+
 def zero_groups(ctx):
     """What zero1 makes of an AdamW with two param groups."""
     torch.manual_seed(0)
