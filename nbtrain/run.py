@@ -17,6 +17,18 @@ from .telemetry.sinks import Sink, SinkDispatcher
 from .telemetry.summary import Summary, summarize
 
 _ACTIVE: weakref.WeakSet[Run] = weakref.WeakSet()
+_LAST: Run | None = None  # the most recent run started in this process
+
+
+def last_run() -> Run | None:
+    """The most recent ``Run`` started in this kernel, however it ended (None before the
+    first). An interrupted ``run = nbtrain.launch(...)`` never assigns ``run``; this
+    gives it back, with its history::
+
+        run = nbtrain.last_run()
+        run.status, run.history
+    """
+    return _LAST
 
 
 class Run:
@@ -26,8 +38,11 @@ class Run:
     """
 
     def __init__(self, fn_name: str, strategy, plan, start_method: str,
-                 timeout: float | None, sinks: list[Sink] = ()):
+                 timeout: float | None, sinks: list[Sink] = (), seed: int | None = None):
         self.fn_name = fn_name
+        # The launch's base seed (rank r started from seed + r): launch(..., seed=run.seed)
+        # repeats this run's random numbers.
+        self.seed = seed
         self.strategy = strategy
         self.accelerator = plan.accelerator
         self.devices = plan.indices
@@ -61,6 +76,11 @@ class Run:
     @property
     def elapsed(self) -> float:
         return (self.ended_at or time.monotonic()) - self.started_at
+
+    @property
+    def last_step(self) -> int | None:
+        """The highest step any rank reported, or None before the first event."""
+        return max(self._last_step.values(), default=None)
 
     @property
     def error(self) -> BaseException | None:
@@ -101,10 +121,14 @@ class Run:
     def wait(self, timeout: float | None = None) -> list[Any] | None:
         """Block until the run ends; return ``results`` (None if stopped) or raise its error."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._done.wait(0.1):
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"the run is still going after {timeout:g}s "
-                                   f"(status: {self._status}); run.stop() ends it.")
+        try:
+            while not self._done.wait(0.1):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"the run is still going after {timeout:g}s "
+                                       f"(status: {self._status}); run.stop() ends it.")
+        except KeyboardInterrupt:  # raised afresh: no frames of threading.py
+            raise KeyboardInterrupt("run.wait() was interrupted; the run goes on "
+                                    "(run.stop() ends it).") from None
         if self._error is not None:
             raise self._error
         return self._results
@@ -155,6 +179,8 @@ class Run:
             pass
 
     def _attach(self, supervisor, cleanup: list) -> None:
+        global _LAST
+        _LAST = self
         self._supervisor = supervisor
         self._cleanup = cleanup
         _ACTIVE.add(self)

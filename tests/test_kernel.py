@@ -36,6 +36,13 @@ def failing(ctx):
         raise ZeroDivisionError("rank one divides by zero")
     dist.barrier()
 
+def stepping(ctx):
+    for i in range(10**9):
+        ctx.log(i=i)
+        if i == 100:
+            print("stepped", flush=True)
+        time.sleep(0.005)
+
 def sleepy(ctx):
     print("started", flush=True)
     while True:
@@ -90,6 +97,23 @@ def test_interrupt_ends_every_worker_and_the_kernel_goes_on(k, kernel_clean, how
     assert k.value("repr(signal.getsignal(signal.SIGINT)) == handler_before") is True
     reply = k.run("print([r.v for r in nbtrain.launch(cell_fn, 1, devices=2).results])")
     assert reply.error is None and "[8.0, 8.0]" in reply.stdout, reply
+
+
+def test_last_run_gives_back_an_interrupted_run(k, kernel_clean):
+    msg = k.submit("run2 = nbtrain.launch(stepping, devices=2, dashboard=False)")
+    k.collect(msg, timeout=60, until="[rank 0] stepped")
+    k.collect(msg, timeout=60, until="[rank 1] stepped")
+    k.interrupt_group()
+    reply = k.collect(msg, timeout=30)
+    assert reply.ename == "KeyboardInterrupt"
+    assert "nbtrain.last_run() returns it" in reply.error["evalue"]
+    text = "\n".join(reply.error["traceback"])
+    assert "threading.py" not in text, text  # short: the cell and launch(), nothing more
+    assert not wait_no_descendants(k.pid, timeout=2.0)
+    got = k.value("""(
+        'run2' in globals(), nbtrain.last_run().status, nbtrain.last_run().fn_name,
+        [len(nbtrain.last_run().history.metric('i', r)) >= 50 for r in (0, 1)])""")
+    assert got == (False, "stopped", "stepping", [True, True])
 
 
 def test_twenty_launches_in_a_row_leave_nothing_behind(k, kernel_clean):
