@@ -211,6 +211,50 @@ def test_launch_rejects_a_bad_dashboard_value():
         nbtrain.launch(train, devices=2, dashboard="fancy")
 
 
+# -- the comparison's sentence -----------------------------------------------------------
+def row(label, mb, rate=None, ranks=2, status="done"):
+    from nbtrain.ui.compare import Row
+
+    memory = [{"params": mb * 2**20 / 4, "grads": mb * 2**20 / 4, "optimizer": mb * 2**20 / 2}]
+    return Row(label, label, ranks, memory * ranks, 0.01, rate, status=status)
+
+
+def test_takeaway_names_ties_as_ties_and_each_run_the_same_way():
+    from nbtrain.ui.compare import takeaway
+
+    # the case: fsdp held what fsdp_grad_op held, and was the slow one
+    rows = [row("ddp", 27.9, 2430), row("fsdp_grad_op", 14.0, 1500), row("fsdp", 14.02, 1000)]
+    assert takeaway(rows) == ("fsdp_grad_op and fsdp hold 2.0× less model state per rank than "
+                              "ddp (14 MB vs 27.9 MB); ddp is the fastest, 2.43× the throughput "
+                              "of fsdp.")
+    # ties at both ends, and a middle run named in neither
+    rows = [row("ddp", 28, 2000), row("zero1", 20, 1980), row("fsdp_grad_op", 14, 1000),
+            row("fsdp", 14, 990)]
+    assert takeaway(rows) == ("fsdp_grad_op and fsdp hold 2.0× less model state per rank than "
+                              "ddp (14 MB vs 28 MB); ddp and zero1 are the fastest, 2.02× the "
+                              "throughput of fsdp_grad_op and fsdp.")
+    # everything equal: said so, no ratio of 1.0
+    rows = [row("fsdp", 14, 1000), row("fsdp (mixed_precision=bf16)", 14.1, 1020)]
+    assert takeaway(rows) == ("fsdp and fsdp (mixed_precision=bf16) hold the same model state "
+                              "per rank (14 MB); fsdp and fsdp (mixed_precision=bf16) run at the "
+                              "same throughput (within 5%).")
+
+
+def test_takeaway_compares_like_with_like():
+    from nbtrain.ui.compare import takeaway
+
+    # per-rank memory on different rank counts: the counts are named
+    rows = [row("ddp", 28, 1000, ranks=2), row("fsdp", 7, 1500, ranks=4)]
+    assert takeaway(rows) == ("fsdp on 4 ranks holds 4.0× less model state per rank than ddp "
+                              "on 2 ranks (7 MB vs 28 MB); fsdp on 4 ranks is the fastest, "
+                              "1.50× the throughput of ddp on 2 ranks.")
+    # a stopped run's throughput (warm-up only) is not compared
+    rows = [row("ddp", 28, 1000), row("fsdp", 14, 50, status="stopped")]
+    assert takeaway(rows) == "fsdp holds 2.0× less model state per rank than ddp (14 MB vs 28 MB)."
+    assert takeaway([row("ddp", 28, 1000)]) == "ddp: 28 MB of model state per rank, 1,000 samples/s."
+    assert takeaway([row("ddp", 0)]).startswith("No memory was measured")
+
+
 # -- real runs -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def runs():
