@@ -5,6 +5,7 @@ real 2-rank runs."""
 from __future__ import annotations
 
 import io
+import sys
 
 import pytest
 from workloads import fail_on, param_count, train
@@ -300,12 +301,42 @@ def test_failure_is_drawn_before_the_error_reaches_the_caller():
     assert "bad batch on purpose" in dash.errors.value
 
 
+def test_picker_offers_what_runs_on_the_accelerator(monkeypatch):
+    from nbtrain import strategies
+    from nbtrain.launch.devices import DevicePlan
+
+    cpu = nbtrain.StrategyPicker(train, devices=2, accelerator="cpu", display=False)
+    assert "fsdp_offload" not in cpu.dropdown.options
+    assert set(cpu.dropdown.options) == set(strategies.names()) - {"fsdp_offload"}
+    assert list(cpu.not_offered) == ["fsdp_offload"]
+    assert "fsdp_offload" in cpu.unavailable.value and "nothing to offload" in cpu.unavailable.value
+    with pytest.raises(ValueError, match="'fsdp_offload' cannot run here: .*nothing to offload"):
+        cpu.start("fsdp_offload")
+    assert cpu.runs == []
+    with pytest.raises(ValueError, match="none of the strategies asked for can run on 2×cpu"):
+        nbtrain.StrategyPicker(train, devices=2, accelerator="cpu", display=False,
+                               strategies_shown=["fsdp_offload"])
+    # on CUDA (the plan as parse_devices gives it on a 2-GPU machine) everything is offered
+    monkeypatch.setattr(sys.modules["nbtrain.launch.devices"], "parse_devices",
+                        lambda devices, accelerator: DevicePlan("cuda", (0, 1)))
+    gpu = nbtrain.StrategyPicker(train, devices=2, accelerator="cuda", display=False)
+    assert list(gpu.dropdown.options) == strategies.names() and gpu.not_offered == {}
+    assert gpu.unavailable.value == ""
+    gpu.dropdown.value = "fsdp"
+    assert not gpu.offload.disabled
+    gpu.offload.value = True
+    assert gpu._options("fsdp") == {"offload": True}
+    gpu.dropdown.value = "ddp"
+    assert gpu.offload.disabled and gpu._options("ddp") == {}
+
+
 @pytest.mark.usefixtures("no_leftovers")
 def test_picker_runs_two_strategies_and_compares_them():
     picker = nbtrain.StrategyPicker(train, devices=2, display=False)
     assert picker.dropdown.options[:2] == ("ddp", "ddp_notebook")
     picker.dropdown.value = "fsdp"
-    assert "1/N" in picker.description.value and not picker.offload.disabled
+    assert "1/N" in picker.description.value
+    assert picker.offload.disabled and "nothing to offload" in picker.offload.tooltip  # CPU
     picker.dropdown.value = "ddp"
     assert picker.offload.disabled
     first = picker.start()
