@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import pickle
 import sys
 import threading
@@ -10,7 +11,7 @@ import time
 import weakref
 from typing import Any
 
-from .errors import RunStoppedError, RunTimeoutError, WorkerError
+from .errors import RunStoppedError, RunTimeoutError, WorkerError, cell_names
 from .telemetry.events import Event, Lifecycle, Output
 from .telemetry.history import History
 from .telemetry.sinks import Sink, SinkDispatcher
@@ -93,7 +94,7 @@ class Run:
             raise RuntimeError("the run is still going; call run.wait() first (or check "
                                "run.done).")
         if self._error is not None:
-            raise self._error
+            raise self._error.with_traceback(None)  # this raise's frames, not an earlier one's
         if self._results is None:
             raise RunStoppedError("the run was stopped before every rank returned, so it has "
                                   "no results; run.history holds what was logged.")
@@ -130,7 +131,7 @@ class Run:
             raise KeyboardInterrupt("run.wait() was interrupted; the run goes on "
                                     "(run.stop() ends it).") from None
         if self._error is not None:
-            raise self._error
+            raise self._error.with_traceback(None)  # this raise's frames, not an earlier one's
         return self._results
 
     def stop(self, reason: str = "stopped by run.stop()", timeout: float = 10.0) -> None:
@@ -155,6 +156,8 @@ class Run:
 
     # -- kernel side plumbing ----------------------------------------------------------
     def _on_event(self, event: Event) -> None:
+        if isinstance(event, Lifecycle) and event.detail:  # a traceback: cells by name
+            event = dataclasses.replace(event, detail=cell_names(event.detail))
         self.history.append(event)
         self._last_step[event.rank] = event.step
         self._sinks.put(event)
@@ -244,7 +247,10 @@ class Run:
                     self.rank_status[rank] = "stopped"
             self.rank_status[root.rank] = "failed"
             self._error = WorkerError(root.rank, root.exc_type, root.message,
-                                      _label(root.traceback, root.rank), others, root.hint)
+                                      _label(cell_names(root.traceback), root.rank), others,
+                                      root.hint)
+            # launch() showed a live view in this cell: it shows the traceback already
+            self._error.shown_in_cell = getattr(self, "_nbtrain_shown_in", None)
             return
         results = []
         for rank in range(self.world_size):

@@ -3,6 +3,7 @@ its stdout is a zmq stream and an interrupt is a SIGINT to the kernel process (g
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -78,6 +79,39 @@ def test_failing_rank_raises_worker_error_in_the_cell(k, kernel_clean):
     text = "\n".join(reply.error["traceback"])
     assert "[rank 1]" in text and "failing" in text
     assert not wait_no_descendants(k.pid, timeout=2.0)
+
+
+def _plain(reply) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(reply.error["traceback"]))
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_worker_traceback_names_the_cell_and_shows_once(k, kernel_clean, start_method):
+    reply = k.run(f"nbtrain.launch(failing, devices=2, dashboard=False, "
+                  f"start_method='{start_method}')")
+    assert reply.ename == "WorkerError"
+    text = _plain(reply)
+    # the worker's frame is named as IPython names cells, with its source (spawn too)
+    assert re.search(r"\[rank 1\]   Cell In\[\d+\], line \d+, in failing\n"
+                     r"\[rank 1\]     raise ZeroDivisionError", text), text
+    assert "ipykernel_" not in text
+    assert text.count(", in failing") == 1  # once
+    assert "nbtrain/launch" not in text and "run.py" not in text  # no kernel-side internals
+    assert re.search(r"Cell In\[\d+\], line 1, in <module>", text)  # the launching line
+
+
+def test_a_traceback_the_view_shows_is_not_repeated(k, kernel_clean):
+    reply = k.run("nbtrain.launch(failing, devices=2, dashboard='static')")
+    assert reply.ename == "WorkerError"
+    text = _plain(reply)
+    assert "the whole traceback: in the run's view above" in text
+    assert text.count(", in failing") == 1  # where it failed in the cell, named once
+    assert "Traceback (most recent call last)" in text
+    assert text.count("Traceback (most recent call last)") == 1  # the worker's is in the view
+    # the view's red box reads the history: the cell is named there too
+    detail = k.value("[e.detail for e in nbtrain.last_run().history.events('lifecycle', 1)"
+                     " if e.state == 'failed'][0]")
+    assert re.search(r"Cell In\[\d+\], line \d+, in failing", detail), detail
 
 
 @pytest.mark.parametrize("how", ["group", "pid"])
