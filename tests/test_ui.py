@@ -212,6 +212,33 @@ def test_launch_rejects_a_bad_dashboard_value():
         nbtrain.launch(train, devices=2, dashboard="fancy")
 
 
+# -- progress over loops of runs ------------------------------------------------------------
+def test_progress_prints_a_line_now_and_then_and_one_at_the_end(monkeypatch):
+    from types import SimpleNamespace
+
+    progress_module = sys.modules["nbtrain.ui.progress"]  # the module; the name is the function
+    clock = [0.0]
+    monkeypatch.setattr(progress_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    out = io.StringIO()
+    seen = []
+    for item in nbtrain.progress([10, 20, 30, 40], "sweep", stream=out):
+        seen.append(item)
+        clock[0] += 3.0
+    assert seen == [10, 20, 30, 40]
+    assert out.getvalue().splitlines() == ["sweep: 0/4 · 10 · 0 s",
+                                           "sweep: 2/4 · 30 · 6 s, ~6 s left",
+                                           "sweep: 4/4 done in 12.0 s"]
+    quiet = io.StringIO()  # a loop shorter than delay= shows nothing
+    assert list(nbtrain.progress(range(3), "quick", delay=1.0, stream=quiet)) == [0, 1, 2]
+    assert quiet.getvalue() == ""
+    unsized = nbtrain.progress((i for i in range(2)), "gen", stream=io.StringIO())
+    assert list(unsized) == [0, 1] and unsized.lines[-1].startswith("gen: 2 done in")
+    with pytest.raises(ValueError, match="total=-1"):
+        nbtrain.progress([], total=-1)
+    with pytest.raises(TypeError, match="label="):
+        nbtrain.progress([], 3)
+
+
 # -- the comparison's sentence -----------------------------------------------------------
 def row(label, mb, rate=None, ranks=2, status="done"):
     from nbtrain.ui.compare import Row

@@ -109,7 +109,8 @@ def takeaway(rows: list[Row]) -> str:
 
 
 class Comparison:
-    def __init__(self, runs: list[Run], n_params: int | None = None, optimizer: str = "adam"):
+    def __init__(self, runs: list[Run], n_params: int | None = None, optimizer: str = "adam",
+                 show_progress: bool = False):
         for run in runs:
             if not hasattr(run, "history") or not hasattr(run, "strategy"):
                 raise TypeError(f"compare() takes runs from nbtrain.launch(); got "
@@ -119,16 +120,19 @@ class Comparison:
             raise ValueError(f"n_params={n_params!r} must be a positive parameter count.")
         self.runs = list(runs)
         self.optimizer = optimizer
-        self.rows = self._rows()
+        self.rows = self._rows(show_progress)
         self.n_params = n_params if n_params is not None else self._derive_n_params()
         for row in self.rows:
             if self.n_params and row.strategy in known():
                 row.theory = theoretical_bytes(row.strategy, self.n_params, row.world_size,
                                                optimizer=optimizer, precision="fp32")
 
-    def _rows(self) -> list[Row]:
+    def _rows(self, show_progress: bool = False) -> list[Row]:
+        from .progress import Progress
+
         rows, seen = [], {}
-        for run in self.runs:
+        # Summarising many long histories takes a while: a line once it passes a second.
+        for run in Progress(self.runs, "compare", delay=1.0, display=show_progress):
             summary: Summary = run.summary()
             label = run.strategy.summary() if hasattr(run.strategy, "summary") else str(run.strategy)
             seen[label] = seen.get(label, 0) + 1
@@ -279,7 +283,8 @@ def compare(*runs: Run, n_params: int | None = None, optimizer: str = "adam",
     if unfinished:
         raise ValueError(f"{len(unfinished)} run(s) are still going; compare finished runs "
                          "(call run.wait() first).")
-    result = Comparison(list(runs), n_params=n_params, optimizer=optimizer)
+    result = Comparison(list(runs), n_params=n_params, optimizer=optimizer,
+                        show_progress=display)
     if display:
         try:
             from IPython import get_ipython
