@@ -1,7 +1,8 @@
 """``nbtrain.StrategyPicker(fn, devices=2)``: choose a strategy, run it, watch it, compare.
 
-A dropdown of the registered strategies (its description below it, with the options that
-apply: mixed precision, CPU offload), Run and Stop buttons, the live dashboard of the
+A dropdown of the registered strategies that can run on the accelerator (its description
+below it, with the options that apply: mixed precision, CPU offload; the strategies left
+out are listed with the reason their ``check`` gave), Run and Stop buttons, the live dashboard of the
 current run and the comparison of every run made here. Runs go in the background, so
 the buttons stay live; the dropdown only matters when Run is pressed, so changing it
 during a run does not touch that run. The comparison is a static figure in an Output
