@@ -8,10 +8,11 @@ from . import strategies
 from .context import Context
 from .errors import RunStoppedError, RunTimeoutError, WorkerError
 from .launch import launch
-from .run import Run
+from .run import Run, last_run
 from .telemetry.options import Telemetry
-from .ui import StrategyPicker, compare
+from .ui import StrategyPicker, compare, progress
 
 __all__ = ["Context", "Run", "RunStoppedError", "RunTimeoutError", "StrategyPicker",
-           "Telemetry", "WorkerError", "compare", "launch", "strategies"]
+           "Telemetry", "WorkerError", "compare", "last_run", "launch", "progress",
+           "strategies"]
 __version__ = "0.1.0"

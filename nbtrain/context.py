@@ -54,6 +54,10 @@ class Context:
         self._model_of: dict[int, nn.Module] = {}  # id(optimizer) -> the model it trains
         # The checkpoint given to launch(resume=...), or None: load it to go on from there.
         self.resume_from: str | None = spec.resume_from
+        # The launch's base seed, the same on every rank (this rank's generators started
+        # from seed + rank); see nbtrain.seeding.
+        self.seed: int = spec.seed
+        self._data_seed = spec.data_seed
 
     @property
     def is_main(self) -> bool:
@@ -263,10 +267,13 @@ class Context:
 
     # -- data --------------------------------------------------------------------------
     def dataloader(self, dataset: Dataset, batch_size: int = 1, shuffle: bool = False,
-                   drop_last: bool = False, seed: int = 0, **kwargs) -> DeviceLoader:
+                   drop_last: bool = False, seed: int | None = None,
+                   **kwargs) -> DeviceLoader:
         """A DataLoader over this rank's shard of ``dataset``; batches arrive on ``ctx.device``.
 
-        Reshuffles every epoch (``set_epoch`` is called for you). ``kwargs`` go to
+        Reshuffles every epoch (``set_epoch`` is called for you). The order's ``seed`` must
+        be the same on every rank; by default it is ``launch(seed=...)`` when given, else
+        0 (torch's and Lightning's default). ``kwargs`` go to
         ``torch.utils.data.DataLoader`` (``num_workers``, ``collate_fn``, ...).
         """
         if isinstance(dataset, IterableDataset):
@@ -277,6 +284,11 @@ class Context:
         if "sampler" in kwargs or "batch_sampler" in kwargs:
             raise ValueError("ctx.dataloader makes its own DistributedSampler; drop sampler=/"
                              "batch_sampler=, or build your own DataLoader.")
+        if seed is None:
+            seed = self._data_seed
+        elif isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"ctx.dataloader(seed={seed!r}): give an int, the same on every "
+                            "rank (or leave it out to use launch(seed=...)).")
         sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank,
                                      shuffle=shuffle, seed=seed, drop_last=drop_last)
         kwargs.setdefault("pin_memory", self.device.type == "cuda")

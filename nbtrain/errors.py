@@ -7,7 +7,14 @@ boundary as plain data: the rank, the original type and message, and the traceba
 
 from __future__ import annotations
 
+import linecache
+import os
+import re
 import signal
+import sys
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_FRAME = re.compile(r'^(\s*)File "([^"]+)", line (\d+)(.*)$')
 
 
 class WorkerError(RuntimeError):
@@ -30,6 +37,9 @@ class WorkerError(RuntimeError):
         self.traceback = traceback
         self.others = list(others or [])
         self.hint = hint
+        # The cell whose live view already shows this failure's traceback (set by the
+        # kernel); shown in that cell, the exception does not repeat all of it.
+        self.shown_in_cell: int | None = None
         super().__init__(self._text())
 
     def _text(self) -> str:
@@ -45,6 +55,40 @@ class WorkerError(RuntimeError):
     def __reduce__(self):
         return (type(self), (self.rank, self.exc_type, self.message, self.traceback,
                              self.others, self.hint))
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows for it: the user's cell that launched, then the worker's
+        traceback once, without the kernel-side frames of nbtrain (launch, wait)."""
+        import traceback
+
+        skip = (_PACKAGE, *_package_dirs("IPython", "ipykernel"))
+        frames = [f for f in traceback.extract_tb(self.__traceback__)
+                  if not os.path.abspath(f.filename).startswith(skip)]
+        red, plain = "\x1b[0;31m", "\x1b[0m"
+        lines = [f"{red}{'-' * 75}{plain}",
+                 f"{red}{type(self).__name__}{plain}{' ' * max(1, 42 - len(type(self).__name__))}"
+                 "Traceback (most recent call last)"]
+        if frames:
+            lines += cell_names("".join(traceback.format_list(frames))).rstrip().splitlines()
+            lines.append("")
+        body = self._text()
+        if self.traceback and self.shown_in_cell is not None and self.shown_in_cell == _cell():
+            # The run's view in this cell shows the traceback: here only where it failed in
+            # the user's cells, so it is not on the page twice.
+            cells = _cell_frames(self.traceback)
+            lines.append(f"{red}{type(self).__name__}{plain}: rank {self.rank} failed with "
+                         f"{self.exc_type}: {self.message}")
+            if cells:
+                lines += ["", *cells]
+            lines += ["", "(the whole traceback: in the run's view above, and in "
+                      "err.traceback)"]
+            if self.others:
+                lines += ["", "other ranks:"] + [f"  {line}" for line in self.others]
+            if self.hint:
+                lines += ["", self.hint]
+            return lines
+        head, _, rest = body.partition("\n")
+        return lines + [f"{red}{type(self).__name__}{plain}: {head}", *rest.splitlines()]
 
 
 class RunTimeoutError(WorkerError):
@@ -74,6 +118,71 @@ def _rebuild_timeout(timeout, ranks, others):
 
 class RunStoppedError(RuntimeError):
     """Results were asked of a run that was stopped (``run.stop()`` or an interrupt)."""
+
+
+def cell_names(text: str) -> str:
+    """A traceback's text with the files IPython compiles cells to named as IPython names
+    them (``Cell In[5], line 8`` instead of ``File "/tmp/ipykernel_1/1671.py", line 8``),
+    and each frame's source line filled in from the kernel where the worker had none
+    (a spawned worker never saw the cells' source). Outside IPython: ``text`` as it is."""
+    cells = _filename_map()
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        m = _FRAME.match(line)
+        if m is None:
+            out.append(line)
+            continue
+        indent, filename, lineno, rest = m.groups()
+        number = cells.get(filename)
+        out.append(f"{indent}Cell In[{number}], line {lineno}{rest}" if number is not None
+                   else line)
+        following = lines[i + 1] if i + 1 < len(lines) else ""
+        if not following.startswith(indent + "  ") or _FRAME.match(following):
+            source = linecache.getline(filename, int(lineno)).strip()  # the kernel's copy
+            if source:
+                out.append(f"{indent}  {source}")
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
+def _filename_map() -> dict[str, int]:
+    """IPython's ``{cell file name: execution count}``; empty outside IPython."""
+    if "IPython" not in sys.modules:
+        return {}
+    from IPython import get_ipython
+
+    compiler = getattr(get_ipython(), "compile", None)
+    return dict(getattr(compiler, "_filename_map", None) or {})
+
+
+def _cell_frames(traceback: str) -> list[str]:
+    """The lines of ``traceback`` (as ``cell_names`` left it) that are frames in cells,
+    each with its source line."""
+    lines = traceback.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if "Cell In[" in line:
+            out.append(line)
+            if i + 1 < len(lines) and "Cell In[" not in lines[i + 1] and \
+                    " File " not in lines[i + 1]:
+                out.append(lines[i + 1])
+    return out
+
+
+def _package_dirs(*names: str) -> list[str]:
+    """The folders of those packages that are imported (their frames are the shell's)."""
+    dirs = []
+    for name in names:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            dirs.append(os.path.dirname(os.path.abspath(module.__file__)) + os.sep)
+    return dirs
+
+
+def _cell() -> int | None:
+    from .ui import _cell as cell
+
+    return cell()
 
 
 def signal_name(signum: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import pickle
 import sys
 import threading
@@ -10,13 +11,25 @@ import time
 import weakref
 from typing import Any
 
-from .errors import RunStoppedError, RunTimeoutError, WorkerError
+from .errors import RunStoppedError, RunTimeoutError, WorkerError, cell_names
 from .telemetry.events import Event, Lifecycle, Output
 from .telemetry.history import History
 from .telemetry.sinks import Sink, SinkDispatcher
 from .telemetry.summary import Summary, summarize
 
 _ACTIVE: weakref.WeakSet[Run] = weakref.WeakSet()
+_LAST: Run | None = None  # the most recent run started in this process
+
+
+def last_run() -> Run | None:
+    """The most recent ``Run`` started in this kernel, however it ended (None before the
+    first). An interrupted ``run = nbtrain.launch(...)`` never assigns ``run``; this
+    gives it back, with its history::
+
+        run = nbtrain.last_run()
+        run.status, run.history
+    """
+    return _LAST
 
 
 class Run:
@@ -26,8 +39,11 @@ class Run:
     """
 
     def __init__(self, fn_name: str, strategy, plan, start_method: str,
-                 timeout: float | None, sinks: list[Sink] = ()):
+                 timeout: float | None, sinks: list[Sink] = (), seed: int | None = None):
         self.fn_name = fn_name
+        # The launch's base seed (rank r started from seed + r): launch(..., seed=run.seed)
+        # repeats this run's random numbers.
+        self.seed = seed
         self.strategy = strategy
         self.accelerator = plan.accelerator
         self.devices = plan.indices
@@ -63,6 +79,11 @@ class Run:
         return (self.ended_at or time.monotonic()) - self.started_at
 
     @property
+    def last_step(self) -> int | None:
+        """The highest step any rank reported, or None before the first event."""
+        return max(self._last_step.values(), default=None)
+
+    @property
     def error(self) -> BaseException | None:
         return self._error
 
@@ -73,7 +94,7 @@ class Run:
             raise RuntimeError("the run is still going; call run.wait() first (or check "
                                "run.done).")
         if self._error is not None:
-            raise self._error
+            raise self._error.with_traceback(None)  # this raise's frames, not an earlier one's
         if self._results is None:
             raise RunStoppedError("the run was stopped before every rank returned, so it has "
                                   "no results; run.history holds what was logged.")
@@ -101,12 +122,16 @@ class Run:
     def wait(self, timeout: float | None = None) -> list[Any] | None:
         """Block until the run ends; return ``results`` (None if stopped) or raise its error."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._done.wait(0.1):
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"the run is still going after {timeout:g}s "
-                                   f"(status: {self._status}); run.stop() ends it.")
+        try:
+            while not self._done.wait(0.1):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"the run is still going after {timeout:g}s "
+                                       f"(status: {self._status}); run.stop() ends it.")
+        except KeyboardInterrupt:  # raised afresh: no frames of threading.py
+            raise KeyboardInterrupt("run.wait() was interrupted; the run goes on "
+                                    "(run.stop() ends it).") from None
         if self._error is not None:
-            raise self._error
+            raise self._error.with_traceback(None)  # this raise's frames, not an earlier one's
         return self._results
 
     def stop(self, reason: str = "stopped by run.stop()", timeout: float = 10.0) -> None:
@@ -131,6 +156,8 @@ class Run:
 
     # -- kernel side plumbing ----------------------------------------------------------
     def _on_event(self, event: Event) -> None:
+        if isinstance(event, Lifecycle) and event.detail:  # a traceback: cells by name
+            event = dataclasses.replace(event, detail=cell_names(event.detail))
         self.history.append(event)
         self._last_step[event.rank] = event.step
         self._sinks.put(event)
@@ -155,6 +182,8 @@ class Run:
             pass
 
     def _attach(self, supervisor, cleanup: list) -> None:
+        global _LAST
+        _LAST = self
         self._supervisor = supervisor
         self._cleanup = cleanup
         _ACTIVE.add(self)
@@ -218,7 +247,10 @@ class Run:
                     self.rank_status[rank] = "stopped"
             self.rank_status[root.rank] = "failed"
             self._error = WorkerError(root.rank, root.exc_type, root.message,
-                                      _label(root.traceback, root.rank), others, root.hint)
+                                      _label(cell_names(root.traceback), root.rank), others,
+                                      root.hint)
+            # launch() showed a live view in this cell: it shows the traceback already
+            self._error.shown_in_cell = getattr(self, "_nbtrain_shown_in", None)
             return
         results = []
         for rank in range(self.world_size):

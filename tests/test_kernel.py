@@ -3,6 +3,7 @@ its stdout is a zmq stream and an interrupt is a SIGINT to the kernel process (g
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -35,6 +36,13 @@ def failing(ctx):
     if ctx.rank == 1:
         raise ZeroDivisionError("rank one divides by zero")
     dist.barrier()
+
+def stepping(ctx):
+    for i in range(10**9):
+        ctx.log(i=i)
+        if i == 100:
+            print("stepped", flush=True)
+        time.sleep(0.005)
 
 def sleepy(ctx):
     print("started", flush=True)
@@ -73,6 +81,39 @@ def test_failing_rank_raises_worker_error_in_the_cell(k, kernel_clean):
     assert not wait_no_descendants(k.pid, timeout=2.0)
 
 
+def _plain(reply) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(reply.error["traceback"]))
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_worker_traceback_names_the_cell_and_shows_once(k, kernel_clean, start_method):
+    reply = k.run(f"nbtrain.launch(failing, devices=2, dashboard=False, "
+                  f"start_method='{start_method}')")
+    assert reply.ename == "WorkerError"
+    text = _plain(reply)
+    # the worker's frame is named as IPython names cells, with its source (spawn too)
+    assert re.search(r"\[rank 1\]   Cell In\[\d+\], line \d+, in failing\n"
+                     r"\[rank 1\]     raise ZeroDivisionError", text), text
+    assert "ipykernel_" not in text
+    assert text.count(", in failing") == 1  # once
+    assert "nbtrain/launch" not in text and "run.py" not in text  # no kernel-side internals
+    assert re.search(r"Cell In\[\d+\], line 1, in <module>", text)  # the launching line
+
+
+def test_a_traceback_the_view_shows_is_not_repeated(k, kernel_clean):
+    reply = k.run("nbtrain.launch(failing, devices=2, dashboard='static')")
+    assert reply.ename == "WorkerError"
+    text = _plain(reply)
+    assert "the whole traceback: in the run's view above" in text
+    assert text.count(", in failing") == 1  # where it failed in the cell, named once
+    assert "Traceback (most recent call last)" in text
+    assert text.count("Traceback (most recent call last)") == 1  # the worker's is in the view
+    # the view's red box reads the history: the cell is named there too
+    detail = k.value("[e.detail for e in nbtrain.last_run().history.events('lifecycle', 1)"
+                     " if e.state == 'failed'][0]")
+    assert re.search(r"Cell In\[\d+\], line \d+, in failing", detail), detail
+
+
 @pytest.mark.parametrize("how", ["group", "pid"])
 def test_interrupt_ends_every_worker_and_the_kernel_goes_on(k, kernel_clean, how):
     msg = k.submit("nbtrain.launch(sleepy, devices=2)")
@@ -90,6 +131,23 @@ def test_interrupt_ends_every_worker_and_the_kernel_goes_on(k, kernel_clean, how
     assert k.value("repr(signal.getsignal(signal.SIGINT)) == handler_before") is True
     reply = k.run("print([r.v for r in nbtrain.launch(cell_fn, 1, devices=2).results])")
     assert reply.error is None and "[8.0, 8.0]" in reply.stdout, reply
+
+
+def test_last_run_gives_back_an_interrupted_run(k, kernel_clean):
+    msg = k.submit("run2 = nbtrain.launch(stepping, devices=2, dashboard=False)")
+    k.collect(msg, timeout=60, until="[rank 0] stepped")
+    k.collect(msg, timeout=60, until="[rank 1] stepped")
+    k.interrupt_group()
+    reply = k.collect(msg, timeout=30)
+    assert reply.ename == "KeyboardInterrupt"
+    assert "nbtrain.last_run() returns it" in reply.error["evalue"]
+    text = "\n".join(reply.error["traceback"])
+    assert "threading.py" not in text, text  # short: the cell and launch(), nothing more
+    assert not wait_no_descendants(k.pid, timeout=2.0)
+    got = k.value("""(
+        'run2' in globals(), nbtrain.last_run().status, nbtrain.last_run().fn_name,
+        [len(nbtrain.last_run().history.metric('i', r)) >= 50 for r in (0, 1)])""")
+    assert got == (False, "stopped", "stepping", [True, True])
 
 
 def test_twenty_launches_in_a_row_leave_nothing_behind(k, kernel_clean):

@@ -206,3 +206,29 @@ def test_workers_exit_cleanly_run_after_run():
     for _ in range(6):
         run = nbtrain.launch(log_many, 30, devices=2, telemetry=False, timeout=60)
         assert run.results == [30, 30]
+
+
+def test_cell_files_are_named_as_ipython_names_them(monkeypatch):
+    """What the kernel does to a worker's traceback (in-kernel: tests/test_kernel.py)."""
+    import linecache
+
+    from nbtrain import errors
+
+    monkeypatch.setattr(errors, "_filename_map", lambda: {"/tmp/ipykernel_1/42.py": 7})
+    linecache.cache["/tmp/ipykernel_1/42.py"] = (20, None, ["x = 1\n", "    1 // 0\n"],
+                                                 "/tmp/ipykernel_1/42.py")
+    try:
+        text = ('Traceback (most recent call last):\n'
+                '  File "/tmp/ipykernel_1/42.py", line 2, in train\n'   # spawned: no source
+                '  File "/lib/torch/x.py", line 5, in f\n'
+                '    g()\n'
+                'ZeroDivisionError: integer division or modulo by zero\n')
+        assert errors.cell_names(text) == (
+            'Traceback (most recent call last):\n'
+            '  Cell In[7], line 2, in train\n'
+            '    1 // 0\n'
+            '  File "/lib/torch/x.py", line 5, in f\n'
+            '    g()\n'
+            'ZeroDivisionError: integer division or modulo by zero\n')
+    finally:
+        del linecache.cache["/tmp/ipykernel_1/42.py"]

@@ -43,6 +43,13 @@ def test_offload_needs_cuda():
     strategies.get("fsdp_offload").check(DevicePlan("cuda", (0, 1)))
 
 
+def test_unavailable_names_what_cannot_run_on_a_plan_and_why():
+    cpu = strategies.unavailable(DevicePlan("cpu", (0, 1)))
+    assert list(cpu) == ["fsdp_offload"] and "nothing to offload" in cpu["fsdp_offload"]
+    assert strategies.unavailable(DevicePlan("cuda", (0, 1))) == {}
+    assert strategies.unavailable(DevicePlan("cpu", (0, 1)), ["ddp", "fsdp"]) == {}
+
+
 def test_hybrid_mesh_shapes():
     s = strategies.get("fsdp_hybrid")
     assert s.mesh_shape(2) == (2, 1)

@@ -5,6 +5,7 @@ real 2-rank runs."""
 from __future__ import annotations
 
 import io
+import sys
 
 import pytest
 from workloads import fail_on, param_count, train
@@ -211,6 +212,77 @@ def test_launch_rejects_a_bad_dashboard_value():
         nbtrain.launch(train, devices=2, dashboard="fancy")
 
 
+# -- progress over loops of runs ------------------------------------------------------------
+def test_progress_prints_a_line_now_and_then_and_one_at_the_end(monkeypatch):
+    from types import SimpleNamespace
+
+    progress_module = sys.modules["nbtrain.ui.progress"]  # the module; the name is the function
+    clock = [0.0]
+    monkeypatch.setattr(progress_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    out = io.StringIO()
+    seen = []
+    for item in nbtrain.progress([10, 20, 30, 40], "sweep", stream=out):
+        seen.append(item)
+        clock[0] += 3.0
+    assert seen == [10, 20, 30, 40]
+    assert out.getvalue().splitlines() == ["sweep: 0/4 · 10 · 0 s",
+                                           "sweep: 2/4 · 30 · 6 s, ~6 s left",
+                                           "sweep: 4/4 done in 12.0 s"]
+    quiet = io.StringIO()  # a loop shorter than delay= shows nothing
+    assert list(nbtrain.progress(range(3), "quick", delay=1.0, stream=quiet)) == [0, 1, 2]
+    assert quiet.getvalue() == ""
+    unsized = nbtrain.progress((i for i in range(2)), "gen", stream=io.StringIO())
+    assert list(unsized) == [0, 1] and unsized.lines[-1].startswith("gen: 2 done in")
+    with pytest.raises(ValueError, match="total=-1"):
+        nbtrain.progress([], total=-1)
+    with pytest.raises(TypeError, match="label="):
+        nbtrain.progress([], 3)
+
+
+# -- the comparison's sentence -----------------------------------------------------------
+def row(label, mb, rate=None, ranks=2, status="done"):
+    from nbtrain.ui.compare import Row
+
+    memory = [{"params": mb * 2**20 / 4, "grads": mb * 2**20 / 4, "optimizer": mb * 2**20 / 2}]
+    return Row(label, label, ranks, memory * ranks, 0.01, rate, status=status)
+
+
+def test_takeaway_names_ties_as_ties_and_each_run_the_same_way():
+    from nbtrain.ui.compare import takeaway
+
+    # the issue's case: fsdp held what fsdp_grad_op held, and was the slow one
+    rows = [row("ddp", 27.9, 2430), row("fsdp_grad_op", 14.0, 1500), row("fsdp", 14.02, 1000)]
+    assert takeaway(rows) == ("fsdp_grad_op and fsdp hold 2.0× less model state per rank than "
+                              "ddp (14 MB vs 27.9 MB); ddp is the fastest, 2.43× the throughput "
+                              "of fsdp.")
+    # ties at both ends, and a middle run named in neither
+    rows = [row("ddp", 28, 2000), row("zero1", 20, 1980), row("fsdp_grad_op", 14, 1000),
+            row("fsdp", 14, 990)]
+    assert takeaway(rows) == ("fsdp_grad_op and fsdp hold 2.0× less model state per rank than "
+                              "ddp (14 MB vs 28 MB); ddp and zero1 are the fastest, 2.02× the "
+                              "throughput of fsdp_grad_op and fsdp.")
+    # everything equal: said so, no ratio of 1.0
+    rows = [row("fsdp", 14, 1000), row("fsdp (mixed_precision=bf16)", 14.1, 1020)]
+    assert takeaway(rows) == ("fsdp and fsdp (mixed_precision=bf16) hold the same model state "
+                              "per rank (14 MB); fsdp and fsdp (mixed_precision=bf16) run at the "
+                              "same throughput (within 5%).")
+
+
+def test_takeaway_compares_like_with_like():
+    from nbtrain.ui.compare import takeaway
+
+    # per-rank memory on different rank counts: the counts are named
+    rows = [row("ddp", 28, 1000, ranks=2), row("fsdp", 7, 1500, ranks=4)]
+    assert takeaway(rows) == ("fsdp on 4 ranks holds 4.0× less model state per rank than ddp "
+                              "on 2 ranks (7 MB vs 28 MB); fsdp on 4 ranks is the fastest, "
+                              "1.50× the throughput of ddp on 2 ranks.")
+    # a stopped run's throughput (warm-up only) is not compared
+    rows = [row("ddp", 28, 1000), row("fsdp", 14, 50, status="stopped")]
+    assert takeaway(rows) == "fsdp holds 2.0× less model state per rank than ddp (14 MB vs 28 MB)."
+    assert takeaway([row("ddp", 28, 1000)]) == "ddp: 28 MB of model state per rank, 1,000 samples/s."
+    assert takeaway([row("ddp", 0)]).startswith("No memory was measured")
+
+
 # -- real runs -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def runs():
@@ -256,12 +328,42 @@ def test_failure_is_drawn_before_the_error_reaches_the_caller():
     assert "bad batch on purpose" in dash.errors.value
 
 
+def test_picker_offers_what_runs_on_the_accelerator(monkeypatch):
+    from nbtrain import strategies
+    from nbtrain.launch.devices import DevicePlan
+
+    cpu = nbtrain.StrategyPicker(train, devices=2, accelerator="cpu", display=False)
+    assert "fsdp_offload" not in cpu.dropdown.options
+    assert set(cpu.dropdown.options) == set(strategies.names()) - {"fsdp_offload"}
+    assert list(cpu.not_offered) == ["fsdp_offload"]
+    assert "fsdp_offload" in cpu.unavailable.value and "nothing to offload" in cpu.unavailable.value
+    with pytest.raises(ValueError, match="'fsdp_offload' cannot run here: .*nothing to offload"):
+        cpu.start("fsdp_offload")
+    assert cpu.runs == []
+    with pytest.raises(ValueError, match="none of the strategies asked for can run on 2×cpu"):
+        nbtrain.StrategyPicker(train, devices=2, accelerator="cpu", display=False,
+                               strategies_shown=["fsdp_offload"])
+    # on CUDA (the plan as parse_devices gives it on a 2-GPU machine) everything is offered
+    monkeypatch.setattr(sys.modules["nbtrain.launch.devices"], "parse_devices",
+                        lambda devices, accelerator: DevicePlan("cuda", (0, 1)))
+    gpu = nbtrain.StrategyPicker(train, devices=2, accelerator="cuda", display=False)
+    assert list(gpu.dropdown.options) == strategies.names() and gpu.not_offered == {}
+    assert gpu.unavailable.value == ""
+    gpu.dropdown.value = "fsdp"
+    assert not gpu.offload.disabled
+    gpu.offload.value = True
+    assert gpu._options("fsdp") == {"offload": True}
+    gpu.dropdown.value = "ddp"
+    assert gpu.offload.disabled and gpu._options("ddp") == {}
+
+
 @pytest.mark.usefixtures("no_leftovers")
 def test_picker_runs_two_strategies_and_compares_them():
     picker = nbtrain.StrategyPicker(train, devices=2, display=False)
     assert picker.dropdown.options[:2] == ("ddp", "ddp_notebook")
     picker.dropdown.value = "fsdp"
-    assert "1/N" in picker.description.value and not picker.offload.disabled
+    assert "1/N" in picker.description.value
+    assert picker.offload.disabled and "nothing to offload" in picker.offload.tooltip  # CPU
     picker.dropdown.value = "ddp"
     assert picker.offload.disabled
     first = picker.start()

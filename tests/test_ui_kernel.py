@@ -104,3 +104,16 @@ def test_nothing_shows_twice_in_one_cell(setup, kernel_clean):
     assert len(shown) == len(again) >= 2
     msgs, _ = messages(setup, "nbtrain.StrategyPicker(log_many, devices=2)")
     assert [m["msg_type"] for m in msgs].count("display_data") == 1
+
+
+def test_progress_is_one_line_updated_in_place(setup):
+    msgs, _ = messages(setup, "import time\n"
+                              "for i in nbtrain.progress(range(3), 'sweep'):\n"
+                              "    time.sleep(0.3)")
+    assert not _errors(msgs)
+    shown = [m["content"]["data"]["text/plain"] for m in msgs if m["msg_type"] == "display_data"]
+    updates = [m["content"]["data"]["text/plain"] for m in msgs
+               if m["msg_type"] == "update_display_data"]
+    assert len(shown) == 1 and shown[0].startswith("sweep: 0/3")
+    assert updates and updates[-1].startswith("sweep: 3/3 done in")
+    assert not [m for m in msgs if m["msg_type"] == "stream"]  # nothing printed

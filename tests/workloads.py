@@ -400,3 +400,17 @@ def accumulate_steps(ctx, micro=2):
             opt.step()
             opt.zero_grad()
     return 0
+
+
+# -- seeding (test_seeding.py) ----------------------------------------------------------
+def draws(ctx):
+    """What the generators give before the function seeds anything, and the data order."""
+    import random
+
+    import numpy
+
+    got = {"torch": torch.randn(3), "random": random.random(),
+           "numpy": float(numpy.random.rand()), "seed": ctx.seed}
+    data = torch.utils.data.TensorDataset(torch.arange(16))
+    (order,) = next(iter(ctx.dataloader(data, batch_size=16, shuffle=True)))
+    return {**got, "order": order.tolist()}

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import strategies
+from .. import seeding, strategies
 from ..run import Run
 from ..strategies import Strategy
 from ..telemetry.channel import TelemetryServer
@@ -36,7 +36,8 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
            start_method: str = "auto", background: bool = False,
            timeout: float | None = None, telemetry: bool | Telemetry = True,
            sinks: list[Sink] = (), dashboard: bool | str = "auto",
-           resume: str | os.PathLike | None = None, **kwargs: Any) -> Run:
+           resume: str | os.PathLike | None = None, seed: int | None = None,
+           **kwargs: Any) -> Run:
     """Run ``fn(ctx, *args, **kwargs)`` once per rank, one rank per device.
 
     Args:
@@ -64,9 +65,15 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
         resume: a checkpoint written by ``ctx.save``; every rank finds it in
             ``ctx.resume_from`` (None without it) and goes on from it with
             ``ctx.load(ctx.resume_from, state)``.
+        seed: the base seed (0 to 2**32 - 1). Rank r seeds torch, ``random`` and numpy
+            with ``seed + r`` before ``fn`` runs, after fork and spawn alike, and
+            ``ctx.dataloader`` shuffles with ``seed`` on every rank. None (default): a
+            fresh base seed per launch (``run.seed`` keeps it; pass it to repeat the run)
+            and shuffling with seed 0. Seeding inside ``fn`` overrides it, as usual.
 
     Returns the ``Run``. Blocking, a failed rank raises ``nbtrain.WorkerError`` here; an
-    interrupt (Ctrl-C, the stop button) ends every worker and raises KeyboardInterrupt.
+    interrupt (Ctrl-C, the stop button) ends every worker and raises KeyboardInterrupt
+    (``nbtrain.last_run()`` then gives the run back, with its history).
     """
     if not callable(fn):
         raise TypeError(f"launch() takes the function to run first; got {type(fn).__name__}.")
@@ -76,6 +83,7 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
 
     check_arg(dashboard)
     resume = _resume_path(resume)
+    base_seed = seeding.base_seed(seed)
     options = Telemetry.from_arg(telemetry)
     chosen = strategies.get(strategy)
     plan = parse_devices(devices, accelerator)
@@ -83,19 +91,26 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
     method = _start_method(start_method, chosen)
     launcher = LAUNCHERS[method]()
     payload = launcher.prepare(fn, args, kwargs, chosen)
-    run = Run(getattr(fn, "__name__", "fn"), chosen, plan, method, timeout, sinks)
+    run = Run(getattr(fn, "__name__", "fn"), chosen, plan, method, timeout, sinks,
+              seed=base_seed)
     if dashboard is not False and options.enabled:
         from ..ui import attach_dashboard
 
         attach_dashboard(run, dashboard)
-    _start(run, launcher, payload, plan, options, resume)
+    _start(run, launcher, payload, plan, options, resume,
+           data_seed=seed if seed is not None else 0)
     if background:
         return run
     try:
         run.wait()
     except KeyboardInterrupt:
         run.stop(reason="interrupted")
-        raise
+        step = run.last_step
+        at = f" at step {step}" if step is not None else ""
+        # A new exception, raised here: the traceback is the cell and this line, not
+        # the threading frames the wait was in.
+        raise KeyboardInterrupt(f"the run was stopped{at}; nbtrain.last_run() returns it, "
+                                "with its history.") from None
     return run
 
 
@@ -124,7 +139,7 @@ def _resume_path(resume) -> str | None:
 
 
 def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetry,
-           resume: str | None = None) -> None:
+           resume: str | None = None, data_seed: int = 0) -> None:
     import torch.distributed as dist
 
     cleanup: list[Callable[[], None]] = [launcher.close]
@@ -154,7 +169,8 @@ def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetr
                 telemetry_token=server.token if server else "",
                 num_threads=threads, pg_timeout_s=pg_timeout, parent_pid=os.getpid(),
                 die_with_parent=threading.current_thread() is threading.main_thread(),
-                telemetry=telemetry, resume_from=resume)
+                telemetry=telemetry, resume_from=resume, seed=run.seed,
+                data_seed=data_seed)
             handles.append(launcher.start(spec, payload))
         del store
     except BaseException:

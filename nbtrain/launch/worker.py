@@ -45,6 +45,8 @@ class WorkerSpec:
     die_with_parent: bool  # PR_SET_PDEATHSIG: launched from the main thread
     telemetry: Telemetry = Telemetry()
     resume_from: str | None = None  # launch(resume=...): the checkpoint to go on from
+    seed: int = 0  # the launch's base seed; this rank starts from seed + rank (seeding.py)
+    data_seed: int = 0  # ctx.dataloader's shuffle seed, the same on every rank
 
     def environ(self) -> dict[str, str]:
         env = {
@@ -123,6 +125,7 @@ def _run(spec: WorkerSpec, payload: Any, control) -> None:
     import torch.distributed as dist
 
     from ..context import Context
+    from ..seeding import rank_seed, seed_all
     from ..telemetry.channel import TelemetryClient
     from ..telemetry.events import Lifecycle
 
@@ -148,6 +151,7 @@ def _run(spec: WorkerSpec, payload: Any, control) -> None:
         if telemetry:
             telemetry.send(Lifecycle(rank=spec.rank, step=0, t=time.monotonic(),
                                      state="started"))
+        seed_all(rank_seed(spec.seed, spec.rank))  # the same rule after fork and spawn
         result = fn(ctx, *args, **kwargs)
         ctx._close()
         message = encode_result(result, spec.rank)

@@ -6,11 +6,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .base import Strategy
 from .ddp import DDP
 from .fsdp import FSDP
 from .zero import Zero1
+
+if TYPE_CHECKING:
+    from ..launch.devices import DevicePlan
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,18 @@ def names() -> list[str]:
 def describe() -> dict[str, str]:
     """``{name: one-sentence description}`` for every registered strategy."""
     return {e.name: e.description for e in _REGISTRY.values()}
+
+
+def unavailable(plan: DevicePlan, names_: list[str] | None = None) -> dict[str, str]:
+    """``{name: why}`` for the registered strategies (or ``names_``) whose ``check``
+    refuses ``plan``, e.g. ``fsdp_offload`` on CPU. What a picker leaves out, and why."""
+    why = {}
+    for name in names_ if names_ is not None else names():
+        try:
+            get(name).check(plan)
+        except (ValueError, TypeError) as err:
+            why[name] = str(err)
+    return why
 
 
 def get(strategy: str | Strategy, **options) -> Strategy:

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING
 from .compare import Comparison, compare
 from .frontend import choose_mode
 from .picker import StrategyPicker
+from .progress import Progress, progress
 
 if TYPE_CHECKING:
     from ..run import Run
 
-__all__ = ["Comparison", "StrategyPicker", "attach_dashboard", "compare", "make_view",
-           "show_run"]
+__all__ = ["Comparison", "Progress", "StrategyPicker", "attach_dashboard", "compare",
+           "make_view", "progress", "show_run"]
 
 
 def _cell() -> int | None:

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from ..run import Run
 
 MEASURED = ("params", "grads", "optimizer", "activations")
+# Within these relative margins two runs are named as a tie: FSDP's shard padding puts
+# equal memory a few bytes apart, and step times move by a few percent between runs.
+MEMORY_TIE = 0.02
+SPEED_TIE = 0.05
 
 
 @dataclass
@@ -50,8 +54,63 @@ def _fmt_bytes(nbytes: float) -> str:
     return f"{nbytes / size:.3g} {name}"
 
 
+def _names(rows: list[Row], name) -> str:
+    labels = [name(r) for r in rows]
+    return labels[0] if len(labels) == 1 else ", ".join(labels[:-1]) + " and " + labels[-1]
+
+
+def _verb(rows: list[Row], one: str, many: str) -> str:
+    return one if len(rows) == 1 else many
+
+
+def takeaway(rows: list[Row]) -> str:
+    """One true sentence about ``rows``: which runs hold the least and the most model
+    state per rank, and which have the highest and lowest throughput. Runs within
+    ``MEMORY_TIE`` / ``SPEED_TIE`` of an extreme are named with it, as a tie; every run
+    is named by its label in both halves (plus its rank count when the counts differ);
+    throughput compares finished runs only."""
+    measured = [r for r in rows if r.model_bytes]
+    if not measured:
+        return "No memory was measured (telemetry off, or no optimizer step ran)."
+    mixed = len({r.world_size for r in rows}) > 1
+
+    def name(r: Row) -> str:
+        return f"{r.label} on {r.world_size} ranks" if mixed else r.label
+
+    if len(rows) == 1:
+        r = rows[0]
+        rate = f", {r.samples_per_s:,.0f} samples/s" if r.samples_per_s else ""
+        return f"{name(r)}: {_fmt_bytes(r.model_bytes)} of model state per rank{rate}."
+    low = min(measured, key=lambda r: r.model_bytes).model_bytes
+    high = max(measured, key=lambda r: r.model_bytes).model_bytes
+    if len(measured) == 1:
+        text = f"{name(measured[0])}: {_fmt_bytes(low)} of model state per rank"
+    elif high <= low * (1 + MEMORY_TIE):
+        text = f"{_names(measured, name)} hold the same model state per rank ({_fmt_bytes(low)})"
+    else:
+        least = [r for r in measured if r.model_bytes <= low * (1 + MEMORY_TIE)]
+        most = [r for r in measured if r.model_bytes >= high / (1 + MEMORY_TIE)]
+        text = (f"{_names(least, name)} {_verb(least, 'holds', 'hold')} {high / low:.1f}× "
+                f"less model state per rank than {_names(most, name)} ({_fmt_bytes(low)} vs "
+                f"{_fmt_bytes(high)})")
+    timed = [r for r in rows if r.samples_per_s and r.status == "done"]
+    if len(timed) > 1:
+        fast = max(r.samples_per_s for r in timed)
+        slow = min(r.samples_per_s for r in timed)
+        if fast <= slow * (1 + SPEED_TIE):
+            text += (f"; {_names(timed, name)} run at the same throughput (within "
+                     f"{SPEED_TIE:.0%})")
+        else:
+            fastest = [r for r in timed if r.samples_per_s >= fast / (1 + SPEED_TIE)]
+            slowest = [r for r in timed if r.samples_per_s <= slow * (1 + SPEED_TIE)]
+            text += (f"; {_names(fastest, name)} {_verb(fastest, 'is', 'are')} the fastest, "
+                     f"{fast / slow:.2f}× the throughput of {_names(slowest, name)}")
+    return text + "."
+
+
 class Comparison:
-    def __init__(self, runs: list[Run], n_params: int | None = None, optimizer: str = "adam"):
+    def __init__(self, runs: list[Run], n_params: int | None = None, optimizer: str = "adam",
+                 show_progress: bool = False):
         for run in runs:
             if not hasattr(run, "history") or not hasattr(run, "strategy"):
                 raise TypeError(f"compare() takes runs from nbtrain.launch(); got "
@@ -61,16 +120,19 @@ class Comparison:
             raise ValueError(f"n_params={n_params!r} must be a positive parameter count.")
         self.runs = list(runs)
         self.optimizer = optimizer
-        self.rows = self._rows()
+        self.rows = self._rows(show_progress)
         self.n_params = n_params if n_params is not None else self._derive_n_params()
         for row in self.rows:
             if self.n_params and row.strategy in known():
                 row.theory = theoretical_bytes(row.strategy, self.n_params, row.world_size,
                                                optimizer=optimizer, precision="fp32")
 
-    def _rows(self) -> list[Row]:
+    def _rows(self, show_progress: bool = False) -> list[Row]:
+        from .progress import Progress
+
         rows, seen = [], {}
-        for run in self.runs:
+        # Summarising many long histories takes a while: a line once it passes a second.
+        for run in Progress(self.runs, "compare", delay=1.0, display=show_progress):
             summary: Summary = run.summary()
             label = run.strategy.summary() if hasattr(run.strategy, "summary") else str(run.strategy)
             seen[label] = seen.get(label, 0) + 1
@@ -96,25 +158,7 @@ class Comparison:
 
     # -- reading -----------------------------------------------------------------------
     def takeaway(self) -> str:
-        rows = [r for r in self.rows if r.model_bytes]
-        if not rows:
-            return "No memory was measured (telemetry off, or no optimizer step ran)."
-        if len(rows) == 1:
-            r = rows[0]
-            rate = f", {r.samples_per_s:,.0f} samples/s" if r.samples_per_s else ""
-            return f"{r.label}: {_fmt_bytes(r.model_bytes)} of model state per rank{rate}."
-        low = min(rows, key=lambda r: r.model_bytes)
-        high = max(rows, key=lambda r: r.model_bytes)
-        text = (f"{low.label} holds {high.model_bytes / low.model_bytes:.1f}× less model state "
-                f"per rank than {high.label} ({_fmt_bytes(low.model_bytes)} vs "
-                f"{_fmt_bytes(high.model_bytes)})")
-        timed = [r for r in self.rows if r.samples_per_s]
-        if len(timed) > 1:
-            fast = max(timed, key=lambda r: r.samples_per_s)
-            slow = min(timed, key=lambda r: r.samples_per_s)
-            text += (f"; {fast.label} is the fastest, {fast.samples_per_s / slow.samples_per_s:.2f}× "
-                     f"{slow.label}'s throughput")
-        return text + "."
+        return takeaway(self.rows)
 
     def table(self) -> str:
         header = ["strategy", "ranks", "model state/rank", "theory/rank", "step ms",
@@ -239,7 +283,8 @@ def compare(*runs: Run, n_params: int | None = None, optimizer: str = "adam",
     if unfinished:
         raise ValueError(f"{len(unfinished)} run(s) are still going; compare finished runs "
                          "(call run.wait() first).")
-    result = Comparison(list(runs), n_params=n_params, optimizer=optimizer)
+    result = Comparison(list(runs), n_params=n_params, optimizer=optimizer,
+                        show_progress=display)
     if display:
         try:
             from IPython import get_ipython

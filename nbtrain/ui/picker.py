@@ -1,7 +1,8 @@
 """``nbtrain.StrategyPicker(fn, devices=2)``: choose a strategy, run it, watch it, compare.
 
-A dropdown of the registered strategies (its description below it, with the options that
-apply: mixed precision, CPU offload), Run and Stop buttons, the live dashboard of the
+A dropdown of the registered strategies that can run on the accelerator (its description
+below it, with the options that apply: mixed precision, CPU offload; the strategies left
+out are listed with the reason their ``check`` gave), Run and Stop buttons, the live dashboard of the
 current run and the comparison of every run made here. Runs go in the background, so
 the buttons stay live; the dropdown only matters when Run is pressed, so changing it
 during a run does not touch that run. The comparison is a static figure in an Output
@@ -40,6 +41,17 @@ class StrategyPicker:
         unknown = [n for n in names if n not in strategies.names()]
         if unknown:
             raise ValueError(f"unknown strategies {unknown}; known: {strategies.names()}.")
+        from ..launch.devices import parse_devices
+
+        # Offer only what can run here; the rest is listed with the reason.
+        self.plan = parse_devices(devices, kwargs.get("accelerator", "auto"))
+        self.not_offered = strategies.unavailable(self.plan, names)
+        names = [n for n in names if n not in self.not_offered]
+        if not names:
+            raise ValueError(f"none of the strategies asked for can run on "
+                             f"{self.plan.world_size}×{self.plan.accelerator}: "
+                             f"{self.not_offered}. Choose others from "
+                             f"{strategies.names()}.")
         self.fn, self.args, self.kwargs, self.devices = fn, args, kwargs, devices
         self.runs: list[Run] = []  # every run started here, in order
         self.run: Run | None = None  # the current (or last) one
@@ -55,6 +67,7 @@ class StrategyPicker:
         self.stop_button = widgets.Button(description="Stop", button_style="danger",
                                           icon="stop", disabled=True)
         self.description = widgets.HTML()
+        self.unavailable = widgets.HTML(self._not_offered_html())
         self.message = widgets.HTML()
         self.live = widgets.VBox([])
         self.comparison_text = widgets.HTML()
@@ -62,7 +75,7 @@ class StrategyPicker:
         self.widget = widgets.VBox([
             widgets.HBox([self.dropdown, self.precision, self.offload, self.run_button,
                           self.stop_button]),
-            self.description, self.message, self.live,
+            self.description, self.unavailable, self.message, self.live,
             widgets.HTML("<b>Comparison of the runs made here</b>"),
             self.comparison_text, self.comparison_figure])
         self.widget.add_class("nbtrain-picker")
@@ -88,6 +101,8 @@ class StrategyPicker:
         from .dashboard import Dashboard
 
         name = strategy or self.dropdown.value
+        if name in self.not_offered:
+            raise ValueError(f"{name!r} cannot run here: {self.not_offered[name]}")
         if strategy is not None and strategy in self.dropdown.options:
             self.dropdown.value = strategy
         chosen = strategies.get(name, **self._options(name))
@@ -131,7 +146,7 @@ class StrategyPicker:
         fields = self._fields(name)
         if "mixed_precision" in fields and self.precision.value != "fp32":
             options["mixed_precision"] = self.precision.value
-        if "offload" in fields and self.offload.value:
+        if "offload" in fields and self.offload.value and not self.offload.disabled:
             options["offload"] = True
         return options
 
@@ -145,10 +160,30 @@ class StrategyPicker:
     def _describe(self) -> None:
         name = self.dropdown.value
         fields = self._fields(name)
-        self.offload.disabled = "offload" not in fields
+        why = self._no_offload(name) if "offload" in fields else "no offload option"
+        self.offload.disabled = why is not None
+        self.offload.tooltip = why or "keep parameters, gradients and optimizer state in CPU memory"
+        if why is not None:
+            self.offload.value = False
         self.precision.disabled = "mixed_precision" not in fields
         self.description.value = (f'<div style="font-size:13px;color:#444"><b>{html.escape(name)}'
                                   f"</b>: {html.escape(self._descriptions.get(name, ''))}</div>")
+
+    def _no_offload(self, name: str) -> str | None:
+        """Why ``name`` cannot offload on this accelerator, or None when it can."""
+        try:
+            strategies.get(name, offload=True).check(self.plan)
+        except (ValueError, TypeError) as err:
+            return str(err)
+        return None
+
+    def _not_offered_html(self) -> str:
+        if not self.not_offered:
+            return ""
+        items = "".join(f"<li><b>{html.escape(n)}</b>: {html.escape(why)}</li>"
+                        for n, why in self.not_offered.items())
+        return (f'<div style="font-size:12px;color:#666">Not offered on '
+                f"{html.escape(self.plan.accelerator)}:<ul style=\"margin:2px 0\">{items}</ul></div>")
 
     def _click_run(self) -> None:
         try:

@@ -1,0 +1,84 @@
+"""The seeding rule: the same for fork and spawn, different per rank, fresh per launch,
+reproducible with ``launch(seed=N)``."""
+
+from __future__ import annotations
+
+import random
+
+import numpy
+import pytest
+import torch
+from torch.utils.data import DistributedSampler, TensorDataset
+from workloads import draws
+
+import nbtrain
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+
+def launch(start_method, **kwargs):
+    return nbtrain.launch(draws, devices=2, accelerator="cpu", start_method=start_method,
+                          dashboard=False, **kwargs)
+
+
+def expected(seed: int) -> dict:
+    """What a process seeded by hand with ``seed`` draws, as the worker's function does."""
+    state = random.getstate(), numpy.random.get_state()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        random.seed(seed)
+        numpy.random.seed(seed)
+        want = {"torch": torch.randn(3), "random": random.random(),
+                "numpy": float(numpy.random.rand())}
+    random.setstate(state[0])
+    numpy.random.set_state(state[1])
+    return want
+
+
+def order(seed: int, rank: int) -> list[int]:
+    return list(DistributedSampler(TensorDataset(torch.arange(16)), num_replicas=2, rank=rank,
+                                   shuffle=True, seed=seed))
+
+
+def test_fork_and_spawn_give_the_same_streams_for_the_same_seed():
+    forked, spawned = launch("fork", seed=1234), launch("spawn", seed=1234)
+    assert forked.seed == spawned.seed == 1234
+    for rank in (0, 1):
+        f, s, want = forked.results[rank], spawned.results[rank], expected(1234 + rank)
+        torch.testing.assert_close(f["torch"], want["torch"], rtol=0, atol=0)
+        torch.testing.assert_close(s["torch"], want["torch"], rtol=0, atol=0)
+        assert f["random"] == s["random"] == want["random"]
+        assert f["numpy"] == s["numpy"] == want["numpy"]
+        assert f["seed"] == s["seed"] == 1234  # ctx.seed: the base, on every rank
+        # the data order: one permutation seeded with 1234, each rank its half
+        assert f["order"] == s["order"] == order(1234, rank)
+    r0, r1 = forked.results
+    assert not torch.equal(r0["torch"], r1["torch"])
+    assert r0["random"] != r1["random"] and r0["numpy"] != r1["numpy"]
+    assert sorted(r0["order"] + r1["order"]) == list(range(16))
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_without_a_seed_ranks_and_launches_differ(start_method):
+    torch.manual_seed(0)  # the kernel's own state must not leak into forked ranks
+    first, second = launch(start_method), launch(start_method)
+    assert first.seed != second.seed
+    draws_ = [r["torch"] for run in (first, second) for r in run.results]
+    assert len({tuple(t.tolist()) for t in draws_}) == 4, draws_
+    # each rank started from the run's seed + rank: run.seed repeats it
+    for run in (first, second):
+        for rank in (0, 1):
+            torch.testing.assert_close(run.results[rank]["torch"],
+                                       expected(run.seed + rank)["torch"], rtol=0, atol=0)
+    # shuffling stays the same on every rank (seed 0, as DistributedSampler's default)
+    assert [r["order"] for r in first.results] == [order(0, 0), order(0, 1)]
+    assert [r["order"] for r in second.results] == [order(0, 0), order(0, 1)]
+
+
+def test_a_bad_seed_fails_before_anything_starts():
+    with pytest.raises(TypeError, match="give an int from 0 to 4294967295"):
+        launch("fork", seed=1.5)
+    with pytest.raises(TypeError, match="give an int"):
+        launch("fork", seed=True)
+    with pytest.raises(ValueError, match=r"outside 0\.\.4294967295.*e\.g\. seed=4294967295"):
+        launch("fork", seed=-1)
