@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from ..context import Context
     from ..launch.devices import DevicePlan
+
+
+class Host(Protocol):
+    """What a strategy needs of the rank it runs on: a narrow view of the worker's
+    ``Context`` (which implements it), so strategies do not depend on the context."""
+
+    device: torch.device
+    rank: int
+    world_size: int
 
 Precision = Literal["bf16", "fp16"] | None
 PRECISIONS = (None, "bf16", "fp16")
@@ -58,15 +66,15 @@ class Strategy:
             raise ValueError(f"strategy {self.name!r} needs {' or '.join(self.accelerators)}, "
                              f"but the accelerator is {plan.accelerator}.")
 
-    def setup_module(self, module: nn.Module, ctx: Context) -> nn.Module:
+    def setup_module(self, module: nn.Module, ctx: Host) -> nn.Module:
         raise NotImplementedError
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module,
-                        ctx: Context) -> torch.optim.Optimizer:
+                        ctx: Host) -> torch.optim.Optimizer:
         """The optimizer to train with, given one built on ``module``'s parameters."""
         return optimizer
 
-    def grad_scaler(self, ctx: Context):
+    def grad_scaler(self, ctx: Host):
         """A loss scaler for fp16 (bf16 needs none), or None."""
         if self.mixed_precision != "fp16":
             return None

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import Strategy, autocast_forward
-
-if TYPE_CHECKING:
-    from ..context import Context
+from .base import Host, Strategy, autocast_forward
 
 
 @dataclass
@@ -24,7 +21,7 @@ class DDP(Strategy):
         "DistributedDataParallel: every rank holds the full model, gradients and optimizer "
         "state, and gradients are averaged with all-reduce after each backward.")
 
-    def setup_module(self, module: nn.Module, ctx: Context) -> nn.Module:
+    def setup_module(self, module: nn.Module, ctx: Host) -> nn.Module:
         module = module.to(ctx.device)
         self.checkpoint_activations(module)
         if self.compute_dtype is not None:

@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from .base import Strategy
+from .base import Host, Strategy
 
 if TYPE_CHECKING:
-    from ..context import Context
     from ..launch.devices import DevicePlan
 
 
@@ -107,7 +106,7 @@ class FSDP(Strategy):
             visit(child)
         return units
 
-    def setup_module(self, module: nn.Module, ctx: Context) -> nn.Module:
+    def setup_module(self, module: nn.Module, ctx: Host) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
@@ -137,7 +136,7 @@ class FSDP(Strategy):
         fully_shard(module, **options)
         return module
 
-    def grad_scaler(self, ctx: Context):
+    def grad_scaler(self, ctx: Host):
         if self.mixed_precision != "fp16":
             return None
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

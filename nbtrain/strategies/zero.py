@@ -13,15 +13,13 @@ from __future__ import annotations
 import inspect
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 
+from .base import Host
 from .ddp import DDP
-
-if TYPE_CHECKING:
-    from ..context import Context
 
 
 @dataclass
@@ -37,7 +35,7 @@ class Zero1(DDP):
     warm_imports: ClassVar[tuple[str, ...]] = ("torch.distributed.optim",)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module,
-                        ctx: Context) -> torch.optim.Optimizer:
+                        ctx: Host) -> torch.optim.Optimizer:
         return to_zero(optimizer, self.parameters_as_bucket_view)
 
 
