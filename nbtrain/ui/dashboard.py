@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._live import LiveView
-from .figures import PANELS, axis_titles, empty_figure, make_trace, trace_specs
+from .figures import empty_figure, figure_height, layout_updates, make_trace, trace_specs
 from .frontend import INSTALL, missing_widget_packages
 from .header import error_html, header_html
 
@@ -40,19 +40,23 @@ class Dashboard(LiveView):
     max_points = 200
 
     def __init__(self, run: Run | None = None, *, display: bool = True, world_size: int = 1,
-                 height: int = 560):
+                 height: int | None = None):
         super().__init__(run, world_size=world_size)
         widgets = require_widgets()
         import plotly.graph_objects as go
 
         self.header = widgets.HTML()
-        self.figure = go.FigureWidget(empty_figure(height))
+        # A fixed height: a widget's plot does not follow a later change of it in every
+        # container (the picker's box), so the live figure never changes its height.
+        self.height = height or figure_height(2)
+        self.figure = go.FigureWidget(empty_figure(self.height))
         self.errors = widgets.HTML()
-        self.widget = widgets.VBox([self.header, self.figure, self.errors])
+        self.widget = widgets.VBox([self.header, self.figure, self.errors],
+                                   layout=widgets.Layout(width="100%"))
         self.widget.add_class("nbtrain-dashboard")
         self._index: dict[str, int] = {}
         self._versions: dict[str, object] = {}
-        self._titles: dict[str, str] = {}
+        self._layout: dict[str, object] = {}
         self.comm_messages = 0
         self._count_messages()
         self.draw(final=False)
@@ -81,29 +85,27 @@ class Dashboard(LiveView):
         state = self.state
         with state.lock:
             specs = trace_specs(state)
-            titles = axis_titles(state)
+            layout = layout_updates(state, self.height)
             header = header_html(state)
             errors = error_html(state)
         fig = self.figure
         new = [s for s in specs if s.key not in self._index]
         if new:
-            rows = [PANELS[s.panel][0] for s in new]
-            cols = [PANELS[s.panel][1] for s in new]
-            fig.add_traces([make_trace(s) for s in new], rows=rows, cols=cols)
+            fig.add_traces([make_trace(s) for s in new])
             for i, s in enumerate(new):
                 self._index[s.key] = len(fig.data) - len(new) + i
                 self._versions[s.key] = s.version
         changed = [s for s in specs if self._versions.get(s.key) != s.version]
-        titles = {k: v for k, v in titles.items() if self._titles.get(k) != v}
-        if changed or titles:
+        layout = {k: v for k, v in layout.items() if self._layout.get(k) != v}
+        if changed or layout:
             with fig.batch_update():
-                if titles:
-                    fig.update_layout(titles)
-                    self._titles.update(titles)
+                if layout:
+                    fig.update_layout(layout)
+                    self._layout.update(layout)
                 for s in changed:
                     trace = fig.data[self._index[s.key]]
-                    trace.x = s.data["x"]
-                    trace.y = s.data["y"]
+                    for name, value in s.data.items():
+                        setattr(trace, name, value)
                     self._versions[s.key] = s.version
         if header != self.header.value:
             self.header.value = header
