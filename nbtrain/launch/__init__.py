@@ -84,11 +84,14 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
     launcher = LAUNCHERS[method]()
     payload = launcher.prepare(fn, args, kwargs, chosen)
     run = Run(getattr(fn, "__name__", "fn"), chosen, plan, method, timeout, sinks)
+    view = None
     if dashboard is not False and options.enabled:
         from ..ui import attach_dashboard
 
-        attach_dashboard(run, dashboard)
+        view = attach_dashboard(run, dashboard)  # shows its header now, nothing heavy
     _start(run, launcher, payload, plan, options, resume)
+    if view is not None:
+        view.start()  # the figure is built while the workers start, never before
     if background:
         return run
     try:
