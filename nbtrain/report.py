@@ -27,8 +27,7 @@ def write_report(runs, path: str | Path) -> Path:
         state = LiveState.from_run(run, max_points=1000)
         with state.lock:
             head = header_html(state) + error_html(state)
-        figure = build_figure(state)
-        figure.update_layout(title=f"{run.strategy.name}: {run.world_size} × {run.accelerator}")
+        figure = build_figure(state)  # no title: the heading and the header above name it
         parts += [f"<h1>{html.escape(run.strategy.name)}</h1>", head,
                   pio.to_html(figure, include_plotlyjs=(i == 0 and len(runs) == 1),
                               full_html=False),

@@ -124,10 +124,141 @@ def test_figure_contents_from_events():
     fig = build_figure(state)
     assert fig.layout.barmode == "stack"
     assert fig.layout.yaxis4.title.text == "KB"
-    titles = {a.text for a in fig.layout.annotations}
+    titles = {a.text for a in fig.layout.annotations if a.visible}
     assert {"Logged metrics (ctx.log)", "Model state per rank", "Communication per step"} <= titles
     assert state.status == {0: "done", 1: "done"}
     assert state.samples_per_s(0) == pytest.approx(1600)
+
+
+# -- the figure's readability rules -----------------------------------------------------
+def legend_order(fig) -> list[str]:
+    """The legend's entries as plotly orders them: by legendrank, then trace order."""
+    shown = [(t.legendrank if t.legendrank is not None else 1000, i, t.name)
+             for i, t in enumerate(fig.data) if t.showlegend is not False]
+    return [name for _, _, name in sorted(shown)]
+
+
+def colors_by_rank(fig) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for t in fig.data:
+        if t.legendgroup and t.legendgroup.startswith("rank "):
+            color = t.line.color if t.mode and "lines" in t.mode else t.marker.color
+            out.setdefault(t.legendgroup, set()).add(color)
+    return out
+
+
+def test_one_colour_per_rank_in_every_panel():
+    state = LiveState(3)
+    state.update(recorded(steps=30, ranks=3))
+    fig = build_figure(state)
+    panels = {(t.legendgroup, t.yaxis) for t in fig.data if t.legendgroup == "rank 2"}
+    assert {a for _, a in panels} >= {"y", "y2", "y3"}  # metrics, step time, throughput
+    colors = colors_by_rank(fig)
+    assert set(colors) == {"rank 0", "rank 1", "rank 2"}
+    assert all(len(c) == 1 for c in colors.values()), colors  # the same in every panel
+    assert len(set().union(*colors.values())) == 3  # and a different one per rank
+    assert legend_order(fig)[:3] == ["rank 0", "rank 1", "rank 2"]  # named in the legend
+
+
+def test_categories_and_collectives_have_their_own_palette():
+    from nbtrain.ui.figures import CATEGORY_COLORS, COLLECTIVE_COLORS, RANK_COLORS
+
+    assert not set(CATEGORY_COLORS.values()) & set(RANK_COLORS)
+    assert not set(COLLECTIVE_COLORS) & set(RANK_COLORS)
+    state = LiveState(2)
+    events = recorded(steps=12)
+    events += [Comm(0, s, 0.0, {"all_gather": 1}, {"all_gather": 8192}) for s in range(12)]
+    state.update(events)
+    fig = build_figure(state)
+    rank_colors = set().union(*colors_by_rank(fig).values())
+    bars = {t.name: t.marker.color for t in fig.data if t.type == "bar"}
+    lines = {t.name: t.line.color for t in fig.data if t.yaxis == "y5"}
+    assert set(bars) == {"params", "grads", "optimizer"} and set(lines) == {"all_gather",
+                                                                            "all_reduce"}
+    assert len(set(bars.values())) == 3 and len(set(lines.values())) == 2
+    assert not (set(bars.values()) | set(lines.values())) & rank_colors
+
+
+def drawn_by_its_thread(view, events, timeout=10.0):
+    """Give ``view`` events and wait until its drawer has drawn them."""
+    import time
+
+    before = view.draws
+    view.on_events(events)
+    deadline = time.monotonic() + timeout
+    while view.draws < before + 2 and time.monotonic() < deadline:  # one may have begun
+        time.sleep(0.02)
+
+
+def test_legend_order_stays_put_while_traces_arrive():
+    events = recorded(steps=30)
+    early = [e for e in events if e.step < 1 and not isinstance(e, (Memory, Comm))]
+    dash = Dashboard(display=False, world_size=2)
+    drawn_by_its_thread(dash, early)  # metrics and first steps first, as a run sends them
+    first = legend_order(dash.figure)
+    drawn_by_its_thread(dash, [e for e in events if e not in early])
+    dash.close(None)
+    later = legend_order(dash.figure)
+    assert later == ["rank 0", "rank 1", "loss", "acc", "first step (warm-up)", "params",
+                     "grads", "optimizer", "all_reduce"]
+    assert [n for n in later if n in first] == first  # nothing moved, new ones slotted in
+    state = LiveState(2)
+    state.update(events)
+    assert legend_order(build_figure(state)) == later  # the static figure: the same
+
+
+def test_warmup_step_is_marked_and_does_not_set_the_axis():
+    state = LiveState(2)
+    events = [Step(r, s, 0.0, duration=0.5 if s == 0 else 0.010 + 0.001 * r, samples=8)
+              for r in range(2) for s in range(20)]
+    state.update(events)
+    specs = {s.key: s for s in trace_specs(state)}
+    assert specs["step_time:0"].data["x"][0] == 1  # not a point of the curve
+    for rank in range(2):
+        mark = specs[f"warmup:{rank}"].data
+        assert mark["x"] == [0]
+        assert "warm-up): 500 ms (off the scale)" in mark["hovertemplate"]
+    step_panel = [y for s in specs.values() if s.panel == "step_time"
+                  for y in s.data["y"] if y is not None]
+    assert max(step_panel) <= 1.2 * 11.0 + 1e-9  # the slowest steady step sets the scale
+    assert "first step (warm-up)" in {s.props.get("name") for s in specs.values()}
+    one = LiveState(1)  # only the warm-up so far: drawn as it is
+    one.update([Step(0, 0, 0.0, duration=0.3, samples=8)])
+    assert [s.data["y"] for s in trace_specs(one) if s.key == "warmup:0"] == [[300.0]]
+
+
+def test_panels_without_data_are_hidden():
+    state = LiveState(2)
+    events = [e for e in recorded(steps=20) if not isinstance(e, Step)]  # no throughput
+    state.update(events)
+    fig = build_figure(state)
+    titles = [a.text for a in fig.layout.annotations if a.visible]
+    assert titles == ["Logged metrics (ctx.log)", "Model state per rank",
+                      "Communication per step"]  # no empty throughput or CUDA panel
+    assert fig.layout.yaxis6.visible is False and fig.layout.yaxis3.visible is False
+    domains = sorted(tuple(fig.layout[f"xaxis{n}"].domain) for n in ("", 4, 5))
+    assert domains[0][0] == 0 and domains[-1][1] == pytest.approx(1)  # the full width
+    assert all(a[1] < b[0] for a, b in zip(domains, domains[1:], strict=False))  # one row
+    assert fig.layout.width is None  # no fixed width: it fills the output
+    state.update([Memory(0, 20, 0.0, {"cuda_allocated": 2**20, "cuda_peak": 2**21})])
+    fig = build_figure(state)
+    titles = [a.text for a in fig.layout.annotations if a.visible]
+    assert "CUDA allocator per rank" in titles and len(titles) == 4
+    assert sorted(tuple(fig.layout[f"xaxis{n}"].domain) for n in ("", 4)) == \
+        sorted(tuple(fig.layout[f"xaxis{n}"].domain) for n in (5, 6))  # two rows of two
+
+
+def test_comm_axis_never_goes_below_zero():
+    state = LiveState(2)
+    state.update(recorded(steps=20))  # a constant 4 KB all-reduce per step
+    fig = build_figure(state)
+    comm = [t for t in fig.data if t.name == "all_reduce"][0]
+    assert comm.yaxis == "y5" and set(comm.y) == {4.0}  # in KB, not 0.0039 MB
+    assert fig.layout.yaxis5.rangemode == "tozero" and fig.layout.yaxis5.title.text == \
+        "KB per step"
+    assert fig.layout.yaxis5.range == (0, pytest.approx(4.6))  # the line below the top edge
+    for n in (2, 3, 4, 5, 6):  # every panel of non-negative figures
+        assert fig.layout[f"yaxis{n}"].rangemode == "tozero"
 
 
 def test_long_runs_send_bounded_traces():

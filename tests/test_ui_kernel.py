@@ -50,8 +50,10 @@ def test_auto_is_static_without_a_widget_manager(setup, kernel_clean):
     kinds = [m["msg_type"] for m in msgs]
     assert "comm_open" not in kinds  # no widget where nothing can render one
     shown = [m for m in msgs if m["msg_type"] == "display_data"]
-    assert any(PLOTLY_MIME in m["content"]["data"] for m in shown)
     assert any("rank 0" in m["content"]["data"].get("text/html", "") for m in shown)
+    final = [m["content"]["data"] for m in msgs if m["msg_type"] == "update_display_data"
+             and PLOTLY_MIME in m["content"]["data"]][-1]
+    assert "text/html" in final  # the last figure shows without plotly's renderer too
     updates = kinds.count("update_display_data")
     assert 2 <= updates <= 2 * (seconds / 2.0 + 3), (updates, seconds)  # two handles, 0.5 Hz
 
@@ -67,6 +69,13 @@ def test_forced_widget_stays_within_the_message_budget(setup, kernel_clean):
     print(f"\n{len(comm)} comm messages in {seconds:.1f}s: {rate:.1f}/s, "
           f"{len(opens)} comm_open")
     assert rate <= COMM_BUDGET_PER_S, (len(comm), seconds)
+    kinds = [m["msg_type"] for m in msgs]
+    header = kinds.index("display_data")
+    assert "rank 0" in msgs[header]["content"]["data"]["text/html"]
+    assert header < kinds.index("comm_open")  # the header first, the widget after
+    last = [m["content"]["data"] for m in msgs if m["msg_type"] == "update_display_data"]
+    assert PLOTLY_MIME in last[-1]  # a static figure in its place at the end
+    assert "comm_close" in kinds  # and the widget is gone
     points = setup.value("run.history.__len__() > 1000")
     assert points
 
@@ -94,8 +103,11 @@ def test_nothing_shows_twice_in_one_cell(setup, kernel_clean):
     """A launch, a comparison or a picker as a cell's last line shows once, not again as
     the cell's result."""
     msgs, _ = messages(setup, "r = nbtrain.launch(log_many, devices=2, steps=20)\nr")
+    figures = {m["content"]["transient"]["display_id"] for m in msgs
+               if m["msg_type"] == "update_display_data" and PLOTLY_MIME in m["content"]["data"]}
     plots = [m for m in msgs if m["msg_type"] == "display_data"
-             and PLOTLY_MIME in m["content"]["data"]]
+             and (PLOTLY_MIME in m["content"]["data"]
+                  or m["content"].get("transient", {}).get("display_id") in figures)]
     assert len(plots) == 1  # the live (static) view; no second summary figure
     msgs, _ = messages(setup, "nbtrain.compare(r, run)")
     shown = [m for m in msgs if m["msg_type"] in ("display_data", "execute_result")]

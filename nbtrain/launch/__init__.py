@@ -93,12 +93,15 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
     payload = launcher.prepare(fn, args, kwargs, chosen)
     run = Run(getattr(fn, "__name__", "fn"), chosen, plan, method, timeout, sinks,
               seed=base_seed)
+    view = None
     if dashboard is not False and options.enabled:
         from ..ui import attach_dashboard
 
-        attach_dashboard(run, dashboard)
+        view = attach_dashboard(run, dashboard)  # shows its header now, nothing heavy
     _start(run, launcher, payload, plan, options, resume,
            data_seed=seed if seed is not None else 0)
+    if view is not None:
+        view.start()  # the figure is built while the workers start, never before
     if background:
         return run
     try:

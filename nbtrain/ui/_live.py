@@ -5,6 +5,12 @@ The sink thread only updates the state (cheap) and wakes the drawer; the drawer 
 out the rate limit, then draws everything that arrived meanwhile in one go, and ticks
 once a ``heartbeat`` so elapsed time moves between events. A view that fails to draw
 three times in a row stops drawing: the UI never breaks or slows the run.
+
+A view shown by ``launch()`` displays only what is cheap in its constructor (the
+header); whatever is slow to build (the live figure) is done by ``prepare()`` on the
+drawer thread, which ``launch()`` starts once the workers are started (``start()``), so
+the workers never wait for the dashboard. A view built with ``display=False`` starts
+its thread at once (the first event would start it anyway).
 """
 
 from __future__ import annotations
@@ -73,7 +79,19 @@ class LiveView:
                                             daemon=True)
             self._thread.start()
 
+    def prepare(self) -> None:
+        """What is slow to set up, done on the drawer thread before its first draw."""
+
     def _loop(self) -> None:
+        with self._draw_lock:
+            if self._stop.is_set():
+                return  # ended already: close() draws the outcome
+            try:
+                self.prepare()
+            except Exception as err:  # an output must never break the run
+                self.broken = err
+                return
+        self._safe_draw(final=False)
         while not self._stop.is_set():
             self._wake.wait(self.heartbeat)
             if self._stop.is_set():
@@ -89,6 +107,8 @@ class LiveView:
         if self.broken is not None:
             return
         with self._draw_lock:
+            if self.closed and not final:
+                return  # the outcome is drawn; a late live draw must not cover it
             try:
                 self.draw(final)
                 self.draws += 1

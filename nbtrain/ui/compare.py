@@ -240,9 +240,10 @@ class Comparison:
         fig.update_yaxes(title_text="ms", row=2, col=1)
         fig.update_yaxes(title_text="samples/s", row=2, col=2)
         fig.update_yaxes(title_text="MB per step", row=2, col=3)
+        # No title: the takeaway is the line above the figure wherever it is shown
+        # (html(), the report, the picker); printed in the figure too, it read twice.
         fig.update_layout(barmode="stack", height=height, template="plotly_white",
-                          title={"text": self.takeaway(), "font": {"size": 13}},
-                          margin={"l": 50, "r": 20, "t": 70, "b": 40})
+                          margin={"l": 50, "r": 20, "t": 40, "b": 40})
         return fig
 
     def bundles(self) -> list[dict]:

@@ -4,7 +4,10 @@ text progress.
 ``StaticView`` (nbclient/nbconvert, VS Code or Colab without a widget manager) shows an
 HTML header and one plotly figure (plotly's own mimetype, which JupyterLab, VS Code and
 nbconvert's HTML know) and replaces both every couple of seconds through their display
-handles. ``TextView`` shows one progress line: through a display handle in a kernel, or
+handles. Its header shows at once; the figure comes with the first draw, on the view's
+own thread, so the workers never wait for plotly. A final figure also carries an HTML
+twin (plotly.js from its CDN), which viewers without plotly's renderer (nbviewer,
+nbconvert's HTML) show. ``TextView`` shows one progress line: through a display handle in a kernel, or
 on stderr in a terminal, at most every ``terminal_every`` seconds.
 """
 
@@ -25,11 +28,19 @@ if TYPE_CHECKING:
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
 
-def figure_bundle(fig, text: str) -> dict:
-    """A display bundle of a plotly figure: plotly's mimetype plus a text twin."""
+CONFIG = {"displaylogo": False, "responsive": True}
+
+
+def figure_bundle(fig, text: str, html: bool = True) -> dict:
+    """A display bundle of a plotly figure: plotly's mimetype, an HTML twin for viewers
+    without plotly's renderer (``html=False`` leaves it out) and a text twin."""
     body = json.loads(fig.to_json())
-    body.setdefault("config", {"displaylogo": False, "responsive": True})
-    return {PLOTLY_MIME: body, "text/plain": text}
+    body.setdefault("config", CONFIG)
+    bundle = {PLOTLY_MIME: body, "text/plain": text}
+    if html:
+        bundle["text/html"] = fig.to_html(include_plotlyjs="cdn", full_html=False,
+                                          config=CONFIG)
+    return bundle
 
 
 class StaticView(LiveView):
@@ -43,21 +54,24 @@ class StaticView(LiveView):
         if display:
             from IPython.display import display as show
 
-            header, fig = self.bundles()
-            self._handles = (show(header, raw=True, display_id=True),
-                             show(fig, raw=True, display_id=True))
-        self.start()
+            self._handles = (show(self.header(), raw=True, display_id=True),
+                             show({"text/plain": ""}, raw=True, display_id=True))
+        else:
+            self.start()
 
-    def bundles(self) -> tuple[dict, dict]:
-        state = self.state
-        with state.lock:
-            header = {"text/html": header_html(state) + error_html(state),
-                      "text/plain": header_text(state)}
-            text = state.progress_line()
-        return header, figure_bundle(build_figure(state), text)
+    def header(self) -> dict:
+        with self.state.lock:
+            return {"text/html": header_html(self.state) + error_html(self.state),
+                    "text/plain": header_text(self.state)}
+
+    def bundles(self, final: bool = True) -> tuple[dict, dict]:
+        header = self.header()
+        with self.state.lock:
+            text = self.state.progress_line()
+        return header, figure_bundle(build_figure(self.state), text, html=final)
 
     def draw(self, final: bool) -> None:
-        header, fig = self.bundles()
+        header, fig = self.bundles(final)
         if self._handles is not None:
             self._handles[0].update(header, raw=True)
             self._handles[1].update(fig, raw=True)
@@ -84,7 +98,8 @@ class TextView(LiveView):
                 self._handle = show({"text/plain": self.text()}, raw=True, display_id=True)
             else:
                 self._stream = sys.stderr
-        self.start()
+        if not display:
+            self.start()
 
     def text(self) -> str:
         with self.state.lock:

@@ -1,42 +1,71 @@
-"""The dashboard's one figure, described as a list of traces built from a ``LiveState``.
+"""The dashboard's one figure, described as a list of traces and a layout built from a
+``LiveState``.
 
-Both views draw from ``trace_specs(state)``: the static view builds a new plotly figure
-from it; the live widget adds the traces it lacks and restyles, in one batched update,
-only those whose data changed (``TraceSpec.version``). Six panels: metrics by step, step
-time, samples/s, memory per rank stacked by category, communication per step by op,
-and the CUDA allocator's figures (empty on CPU).
+Both views draw from ``trace_specs(state)`` and ``layout_updates(state)``: the static
+view builds a new plotly figure from them; the live widget adds the traces it lacks and
+restyles, in one batched update, only those whose data changed (``TraceSpec.version``)
+and the layout keys whose value changed.
+
+Up to six panels — metrics by step, step time, samples/s, memory per rank stacked by
+category, communication per step by op, the CUDA allocator's figures — and only those
+that have data are laid out (three a row), so a CPU run shows no CUDA panel. The rules
+that keep it readable:
+
+- one colour per rank (``RANK_COLORS``) in every panel that has ranks, named once in the
+  legend ("rank 0", ...; clicking one hides that rank everywhere); categories of memory
+  and collectives have their own palettes, which share no colour with the ranks;
+- legend entries carry a fixed ``legendrank`` (ranks, metric names, the warm-up mark,
+  memory categories, CUDA, collectives), so the legend keeps its order while traces
+  arrive;
+- a rank's first step (warm-up: lazy init, allocator, first collective) is a marker,
+  not a point of its curve, and drawn at most ``WARMUP_CLIP`` × the slowest other step so
+  it cannot flatten the plot (its hover has the real time);
+- axes of non-negative quantities start at zero (``rangemode="tozero"``); bytes are
+  shown in KB, MB or GB, whichever keeps the numbers readable;
+- the figure has no fixed width: it fills the output it is in.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from .state import LiveState
 
-PANELS = {  # key -> (row, col, title, x label, y label)
-    "metrics": (1, 1, "Logged metrics (ctx.log)", "step", "value"),
-    "step_time": (1, 2, "Step time per rank", "step", "ms"),
-    "rate": (1, 3, "Throughput per rank", "step", "samples/s"),
-    "memory": (2, 1, "Model state per rank", "", "KB"),
-    "comm": (2, 2, "Communication per step", "step", "MB per step"),
-    "cuda": (2, 3, "CUDA allocator per rank", "", "KB"),
+PANELS = {  # key -> (title, x label, y label, y non-negative), in layout order
+    "metrics": ("Logged metrics (ctx.log)", "step", "value", False),
+    "step_time": ("Step time per rank", "step", "ms", True),
+    "rate": ("Throughput per rank", "step", "samples/s", True),
+    "memory": ("Model state per rank", "", "KB", True),
+    "comm": ("Communication per step", "step", "KB per step", True),
+    "cuda": ("CUDA allocator per rank", "", "KB", True),
 }
+AXES = {key: i + 1 for i, key in enumerate(PANELS)}  # panel -> its axis pair number
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations")
 CUDA_CATEGORIES = ("cuda_allocated", "cuda_reserved", "cuda_peak")
-CATEGORY_COLORS = {"params": "#4C78A8", "grads": "#F58518", "optimizer": "#54A24B",
-                   "activations": "#B279A2", "cuda_allocated": "#4C78A8",
-                   "cuda_reserved": "#9D755D", "cuda_peak": "#E45756"}
-RANK_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
-               "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+# Ranks: strong colours; categories and collectives: softer or darker ones of other hues.
+RANK_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2",
+               "#17becf", "#bcbd22")
+CATEGORY_COLORS = {"params": "#8DA0CB", "grads": "#FC8D62", "optimizer": "#66C2A5",
+                   "activations": "#E5C494", "cuda_allocated": "#A6D854",
+                   "cuda_reserved": "#B3B3B3", "cuda_peak": "#FFD92F"}
+COLLECTIVE_COLORS = ("#4D4D4D", "#E69F00", "#0072B2", "#CC79A7", "#7F3B08", "#35978F")
 DASHES = ("solid", "dot", "dash", "dashdot", "longdash")
+WARMUP_CLIP = 1.2  # the warm-up mark is drawn at most this × the slowest other step
+LEGEND_RANKS = {"rank": 100, "metric": 200, "warmup": 300, "memory": 400, "cuda": 500,
+                "comm": 600}
+# Between panels, as fractions of the plot area: room for a y-axis' ticks and title so
+# they do not sit on the neighbouring panel.
+H_GAP, V_GAP = 0.11, 0.16
+COMM_HEADROOM = 1.15  # a constant communication line is drawn below the top edge
 
 
 @dataclass
 class TraceSpec:
     key: str
     panel: str
-    kind: str  # "line" or "bar"
+    kind: str  # "line", "bar" or "marker"
     props: dict[str, Any] = field(default_factory=dict)  # name, colors: set once
     data: dict[str, Any] = field(default_factory=dict)  # x, y: updated
     version: Any = 0
@@ -50,13 +79,16 @@ def unit_for(nbytes: float) -> tuple[str, float]:
     return "KB", 2**10
 
 
-def memory_units(state: LiveState) -> dict[str, tuple[str, float]]:
-    """The unit of the memory and CUDA panels, from the largest bar in each."""
+def byte_units(state: LiveState) -> dict[str, tuple[str, float]]:
+    """The unit of the memory and CUDA panels, from the largest bar in each, and of the
+    communication panel, from its largest point."""
     units = {}
     for panel, cats in (("memory", MEMORY_CATEGORIES), ("cuda", CUDA_CATEGORIES)):
         totals = [sum(m.get(c, 0) for c in cats) if panel == "memory"
                   else max((m.get(c, 0) for c in cats), default=0) for m in state.memory.values()]
         units[panel] = unit_for(max(totals, default=0))
+    units["comm"] = unit_for(max((max(s.points()[1], default=0) for s in state.comm.values()),
+                                 default=0))
     return units
 
 
@@ -64,11 +96,34 @@ def rank_color(rank: int) -> str:
     return RANK_COLORS[rank % len(RANK_COLORS)]
 
 
+def collective_color(index: int) -> str:
+    return COLLECTIVE_COLORS[index % len(COLLECTIVE_COLORS)]
+
+
+def _legend_entry(key: str, panel: str, name: str, rank: int, group: str, marker: dict,
+                  mode: str = "lines") -> TraceSpec:
+    """A trace with no points that only names something in the legend."""
+    return TraceSpec(key, panel, "legend",
+                     {"name": name, "legendgroup": group, "legendrank": rank,
+                      "showlegend": True, "mode": mode, "hoverinfo": "skip", **marker},
+                     {"x": [None], "y": [None]}, 0)
+
+
 def trace_specs(state: LiveState) -> list[TraceSpec]:
     """Every trace of the dashboard's figure, in a stable order (new ones at the end of
     their group). Call with ``state.lock`` held or on a state no one updates."""
     specs: list[TraceSpec] = []
-    for i, name in enumerate(state.metric_names):
+    ranks = sorted({r for _, r in state.metrics} | set(state.step_ms) | set(state.rate)
+                   | set(state.warmup))
+    for rank in ranks:  # the legend's names of the ranks, one colour each, everywhere
+        specs.append(_legend_entry(f"legend:rank:{rank}", "step_time", f"rank {rank}",
+                                   LEGEND_RANKS["rank"] + rank, f"rank {rank}",
+                                   {"line": {"color": rank_color(rank), "width": 3}}))
+    names = state.metric_names
+    for i, name in enumerate(names):
+        specs.append(_legend_entry(f"legend:metric:{name}", "metrics", name,
+                                   LEGEND_RANKS["metric"] + i, f"metric {name}",
+                                   {"line": {"color": "#616161", "dash": DASHES[i % len(DASHES)]}}))
         for rank in state.ranks:
             series = state.metrics.get((name, rank))
             if series is None:
@@ -76,82 +131,188 @@ def trace_specs(state: LiveState) -> list[TraceSpec]:
             x, y = series.points()
             specs.append(TraceSpec(
                 f"metric:{name}:{rank}", "metrics", "line",
-                {"name": f"{name} r{rank}", "legendgroup": name,
-                 "line": {"color": rank_color(rank), "dash": DASHES[i % len(DASHES)]}},
+                {"name": f"{name} r{rank}", "legendgroup": f"rank {rank}", "showlegend": False,
+                 "line": {"color": rank_color(rank), "dash": DASHES[i % len(DASHES)]},
+                 "hovertemplate": f"rank {rank} {name}: %{{y:.4g}} at step %{{x}}<extra></extra>"},
                 {"x": x, "y": y}, series.version))
-    for panel, table, unit in (("step_time", state.step_ms, "ms"), ("rate", state.rate, "/s")):
+    for panel, table, unit in (("step_time", state.step_ms, "ms"),
+                               ("rate", state.rate, "samples/s")):
         for rank in sorted(table):
             x, y = table[rank].points()
             specs.append(TraceSpec(
                 f"{panel}:{rank}", panel, "line",
-                {"name": f"r{rank} {unit}", "showlegend": False,
-                 "line": {"color": rank_color(rank)}},
+                {"name": f"rank {rank}", "legendgroup": f"rank {rank}", "showlegend": False,
+                 "line": {"color": rank_color(rank)},
+                 "hovertemplate": f"rank {rank}: %{{y:.4g}} {unit} at step %{{x}}<extra></extra>"},
                 {"x": x, "y": y}, table[rank].version))
+    specs += _warmup_specs(state)
     ranks_with_memory = sorted(state.memory)
     labels = [f"rank {r}" for r in ranks_with_memory]
-    units = memory_units(state)
+    units = byte_units(state)
     for panel, categories in (("memory", MEMORY_CATEGORIES), ("cuda", CUDA_CATEGORIES)):
         unit, size = units[panel]
-        for cat in categories:
+        for i, cat in enumerate(categories):
             if not any(cat in state.memory[r] for r in ranks_with_memory):
                 continue
             y = [state.memory[r].get(cat, 0) / size for r in ranks_with_memory]
             specs.append(TraceSpec(
                 f"{panel}:{cat}", panel, "bar",
-                {"name": cat, "marker": {"color": CATEGORY_COLORS[cat]},
-                 "legendgroup": panel, "showlegend": panel == "memory"},
+                {"name": cat.removeprefix("cuda_") if panel == "cuda" else cat,
+                 "marker": {"color": CATEGORY_COLORS[cat]}, "legendgroup": cat,
+                 "legendrank": LEGEND_RANKS[panel] + i},
                 {"x": labels, "y": y, "hovertemplate": f"%{{x}} {cat}: %{{y:.3g}} {unit}"
                                                         "<extra></extra>"},
                 (tuple(labels), tuple(y))))
-    for op in sorted(state.comm):
+    unit, size = units["comm"]
+    for i, op in enumerate(sorted(state.comm)):
         x, y = state.comm[op].points()
         specs.append(TraceSpec(
-            f"comm:{op}", "comm", "line", {"name": op, "legendgroup": "comm"},
-            {"x": x, "y": y}, state.comm[op].version))
+            f"comm:{op}", "comm", "line",
+            {"name": op, "legendgroup": f"comm {op}", "legendrank": LEGEND_RANKS["comm"] + i,
+             "line": {"color": collective_color(i)}},
+            {"x": x, "y": [v / size for v in y],
+             "hovertemplate": f"{op}: %{{y:.3g}} {unit} at step %{{x}}<extra></extra>"},
+            (state.comm[op].version, unit)))
+    return specs
+
+
+def _warmup_specs(state: LiveState) -> list[TraceSpec]:
+    """Each rank's first step as a marker, clipped to ``WARMUP_CLIP`` × the slowest
+    steady step so it does not set the step-time axis."""
+    if not state.warmup:
+        return []
+    steady = [v for s in state.step_ms.values() for v in s.points()[1]]
+    cap = WARMUP_CLIP * max(steady) if steady else math.inf
+    specs = [_legend_entry("legend:warmup", "step_time", "first step (warm-up)",
+                           LEGEND_RANKS["warmup"], "warmup",
+                           {"marker": {"color": "#616161", "symbol": "triangle-up", "size": 9}},
+                           mode="markers")]
+    for rank, (step, ms) in sorted(state.warmup.items()):
+        y = min(ms, cap)
+        specs.append(TraceSpec(
+            f"warmup:{rank}", "step_time", "marker",
+            {"name": f"rank {rank} warm-up", "legendgroup": f"rank {rank}",
+             "showlegend": False, "mode": "markers",
+             "marker": {"color": rank_color(rank), "symbol": "triangle-up", "size": 9}},
+            {"x": [step], "y": [y],
+             "hovertemplate": f"rank {rank} first step (warm-up): {ms:.4g} ms"
+                              + (" (off the scale)" if y < ms else "") + "<extra></extra>"},
+            (step, ms, y)))
     return specs
 
 
 def make_trace(spec: TraceSpec):
     import plotly.graph_objects as go
 
+    n = AXES[spec.panel]
+    axes = {"xaxis": f"x{n if n > 1 else ''}", "yaxis": f"y{n if n > 1 else ''}"}
     if spec.kind == "bar":
-        return go.Bar(**spec.props, **spec.data)
-    return go.Scatter(mode="lines", **spec.props, **spec.data)
+        return go.Bar(**spec.props, **spec.data, **axes)
+    props = dict(spec.props)
+    props.setdefault("mode", "lines")
+    return go.Scatter(**props, **spec.data, **axes)
 
 
-def empty_figure(height: int = 560):
-    """The six panels with their titles and axis labels, and no traces."""
-    from plotly.subplots import make_subplots
-
-    fig = make_subplots(rows=2, cols=3, subplot_titles=[p[2] for p in PANELS.values()],
-                        horizontal_spacing=0.11, vertical_spacing=0.16)
-    for row, col, _, xlabel, ylabel in PANELS.values():
-        fig.update_xaxes(title_text=xlabel, row=row, col=col)
-        fig.update_yaxes(title_text=ylabel, row=row, col=col)
-    fig.update_layout(height=height, barmode="stack", margin={"l": 50, "r": 20, "t": 40, "b": 40},
-                      legend={"orientation": "v", "font": {"size": 10}},
-                      template="plotly_white", uirevision="nbtrain")
-    return fig
-
-
-def add_spec(fig, spec: TraceSpec) -> None:
-    row, col = PANELS[spec.panel][:2]
-    fig.add_trace(make_trace(spec), row=row, col=col)
+def visible_panels(state: LiveState) -> list[str]:
+    """The panels that have something to draw, in layout order. Before any data: the
+    first row, so the figure is not an empty box while workers start."""
+    has = {
+        "metrics": bool(state.metrics),
+        "step_time": bool(state.step_ms or state.warmup),
+        "rate": bool(state.rate),
+        "memory": any(c in m for m in state.memory.values() for c in MEMORY_CATEGORIES),
+        "comm": bool(state.comm),
+        "cuda": any(c in m for m in state.memory.values() for c in CUDA_CATEGORIES),
+    }
+    shown = [k for k in PANELS if has[k]]
+    return shown or ["metrics", "step_time", "rate"]
 
 
-def axis_titles(state: LiveState) -> dict[str, str]:
-    """Layout updates for the panels whose unit follows the data (memory: KB/MB/GB)."""
-    units = memory_units(state)
-    return {"yaxis4.title.text": units["memory"][0], "yaxis6.title.text": units["cuda"][0]}
+def _axis(n: int, name: str) -> str:
+    return f"{name}axis{n if n > 1 else ''}"
 
 
-def build_figure(state: LiveState, height: int = 560):
+def layout_updates(state: LiveState, height: int | None = None) -> dict[str, Any]:
+    """The layout of the panels that have data (at most three a row, rows as even as can
+    be, each panel its own axes; the others hidden) and the units that follow the data (memory: KB/MB/GB). Call with
+    ``state.lock`` held or on a state no one updates."""
+    shown = visible_panels(state)
+    rows = math.ceil(len(shown) / 3)
+    per_row = [len(shown) // rows + (r < len(shown) % rows) for r in range(rows)]
+    place = {}  # panel -> (row, col, panels in its row): rows as even as can be, full width
+    for r, count in enumerate(per_row):
+        for c in range(count):
+            place[shown[sum(per_row[:r]) + c]] = (r, c, count)
+    cell_h = (1 - (rows - 1) * V_GAP) / rows
+    units = byte_units(state)
+    out: dict[str, Any] = {}
+    for key, (_, xlabel, ylabel, _) in PANELS.items():
+        n = AXES[key]
+        x, y = _axis(n, "x"), _axis(n, "y")
+        if key in ("memory", "cuda"):
+            ylabel = units[key][0]
+        elif key == "comm":
+            ylabel = f"{units[key][0]} per step"
+        out[f"{x}.title.text"] = xlabel
+        out[f"{y}.title.text"] = ylabel
+        title = f"annotations[{n - 1}]"  # each panel's title, set key by key: a live
+        # figure is sent what changed, and plotly.js refuses a whole list with its items
+        if key not in shown:
+            out[f"{x}.visible"] = out[f"{y}.visible"] = out[f"{title}.visible"] = False
+            out[f"{x}.domain"], out[f"{y}.domain"] = [0, 0.01], [0, 0.01]
+            continue
+        row, col, cols = place[key]
+        cell_w = (1 - (cols - 1) * H_GAP) / cols
+        x0 = col * (cell_w + H_GAP)
+        y1 = 1 - row * (cell_h + V_GAP)
+        out[f"{x}.visible"] = out[f"{y}.visible"] = True
+        out[f"{x}.domain"] = [round(x0, 4), round(x0 + cell_w, 4)]
+        out[f"{y}.domain"] = [round(y1 - cell_h, 4), round(y1, 4)]
+        out[f"{title}.visible"] = True
+        out[f"{title}.x"], out[f"{title}.y"] = round(x0 + cell_w / 2, 4), round(y1, 4)
+    top = max((max(s.points()[1], default=0) for s in state.comm.values()), default=0)
+    if top > 0:
+        out["yaxis5.range"] = [0, COMM_HEADROOM * top / units["comm"][1]]
+    out["height"] = height or figure_height(rows)
+    return out
+
+
+def figure_height(rows: int) -> int:
+    return 340 if rows == 1 else 600
+
+
+def empty_figure(height: int | None = None):
+    """The panels' axes (each its own pair, anchored to each other) and no traces; no
+    width, so it fills the output it is in."""
+    import plotly.graph_objects as go
+
+    layout: dict[str, Any] = {
+        "height": height or figure_height(2), "autosize": True, "barmode": "stack",
+        "template": "plotly_white", "uirevision": "nbtrain",
+        "margin": {"l": 55, "r": 20, "t": 40, "b": 45},
+        "legend": {"orientation": "v", "font": {"size": 11}, "tracegroupgap": 2,
+                   "traceorder": "normal"},
+        "hovermode": "closest",
+        "annotations": [{"text": title, "xref": "paper", "yref": "paper", "x": 0, "y": 1,
+                         "xanchor": "center", "yanchor": "bottom", "showarrow": False,
+                         "font": {"size": 14}, "visible": False}
+                        for title, *_ in PANELS.values()],
+    }
+    for key, (_, _, _, nonneg) in PANELS.items():
+        n = AXES[key]
+        suffix = n if n > 1 else ""
+        layout[_axis(n, "x")] = {"anchor": f"y{suffix}", "automargin": True}
+        layout[_axis(n, "y")] = {"anchor": f"x{suffix}", "automargin": True,
+                                 **({"rangemode": "tozero"} if nonneg else {})}
+    return go.Figure(layout=layout)
+
+
+def build_figure(state: LiveState, height: int | None = None):
     """A new static figure of ``state`` (what the static view shows and Run displays)."""
-    fig = empty_figure(height)
+    fig = empty_figure()
     with state.lock:
         specs = trace_specs(state)
-        titles = axis_titles(state)
-    for spec in specs:
-        add_spec(fig, spec)
-    fig.update_layout(titles)
+        layout = layout_updates(state, height)
+    fig.add_traces([make_trace(s) for s in specs])
+    fig.update_layout(layout)
     return fig

@@ -27,7 +27,8 @@ class LiveState:
         self.max_points = max_points
         self.lock = threading.Lock()
         self.metrics: dict[tuple[str, int], Series] = {}  # (name, rank) -> value by step
-        self.step_ms: dict[int, Series] = {}  # rank -> ms by step
+        self.step_ms: dict[int, Series] = {}  # rank -> ms by step, from its second step
+        self.warmup: dict[int, tuple[int, float]] = {}  # rank -> (step, ms) of its first
         self.rate: dict[int, Series] = {}  # rank -> samples/s by step
         self.steps: dict[int, int] = {}
         # From rank 0's last Step: (epoch, batches per epoch, planned total steps).
@@ -36,7 +37,7 @@ class LiveState:
         self.samples: dict[int, int] = {}
         self.busy: dict[int, float] = {}  # seconds spent in timed steps
         self.memory: dict[int, dict[str, int]] = {}  # latest bytes by category
-        self.comm: dict[str, Series] = {}  # op -> MB per step, first rank that reports
+        self.comm: dict[str, Series] = {}  # op -> bytes per step, first rank that reports
         self.comm_rank: int | None = None
         self.status: dict[int, str] = dict.fromkeys(range(world_size), "starting")
         self.errors: dict[int, str] = {}
@@ -74,8 +75,9 @@ class LiveState:
             if rank == 0:
                 self.plan = (e.epoch, e.epoch_steps, e.total_steps)
                 self.last_step = e.step
-            if self.steps[rank] == 1:
-                return  # the first step includes the warm-up; leave it out of the curves
+            if self.steps[rank] == 1:  # includes the warm-up: a mark, not a curve point
+                self.warmup[rank] = (e.step, e.duration * 1000)
+                return
             self.step_ms.setdefault(rank, Series(self.max_points)).append(
                 e.step, e.duration * 1000)
             if e.duration > 0 and e.samples:
@@ -92,7 +94,7 @@ class LiveState:
                 return  # collectives are symmetric: one rank's view is enough to draw
             for op in set(self.comm) | set(e.bytes):
                 self.comm.setdefault(op, Series(self.max_points)).append(
-                    e.step, e.bytes.get(op, 0) / 2**20)
+                    e.step, e.bytes.get(op, 0))
         elif isinstance(e, Lifecycle):
             self.status[rank] = _LIFECYCLE.get(e.state, e.state)
             if e.state == "failed" and e.detail:
