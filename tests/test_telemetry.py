@@ -181,3 +181,26 @@ def test_host_resident_bytes_are_reported_apart_on_a_gpu_run():
     history.append(Memory(rank=0, step=1, t=0.0, values=offloaded))
     text = str(summarize(history, 1))
     assert "params (host) MB" in text and "optimizer (host) MB" in text
+
+
+def sleepy_steps(ctx, steps=5):
+    """Optimizer steps without ctx.dataloader, each after 20 ms of 'work'."""
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ctx.setup(model, opt)
+    for _ in range(steps):
+        time.sleep(0.02)
+        ctx.backward(model(torch.ones(1, 2)).sum())
+        opt.step()
+    time.sleep(0.2)  # after the loop: not a step
+
+
+def test_without_a_dataloader_each_optimizer_step_is_one_timed_step():
+    run = nbtrain.launch(sleepy_steps, devices=2)
+    for rank in (0, 1):
+        steps = run.history.events("step", rank)
+        assert [e.step for e in steps] == [0, 1, 2, 3, 4]
+        durations = [e.duration for e in steps]
+        assert all(0.02 <= d < 0.2 for d in durations), durations  # none ~0, none holds the tail

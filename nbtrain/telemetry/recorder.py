@@ -45,11 +45,13 @@ class Recorder:
         self._opt_steps = 0
         self._opt_end = 0.0  # when the last optimizer step finished
         self._batches_seen = False
+        self._watched_at = time.monotonic()
         self._paused = False
         self._activations = ActivationProbe() if options.profile_memory else None
         self._activation_bytes: int | None = None
 
     def watch(self, model: nn.Module, optimizers, ddp: bool) -> None:
+        self._watched_at = time.monotonic()  # without ctx.dataloader, step 0 starts here
         self._model = model
         self._optimizers = list(optimizers)
         if ddp and self.comm:
@@ -125,13 +127,17 @@ class Recorder:
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._paused:
             return
-        if not self._batches_seen:  # no ctx.dataloader: optimizer steps are the steps
-            self._boundary(self._opt_steps, 0)
+        step = self._step  # with ctx.dataloader: the batch this optimizer step ends
+        if not self._batches_seen:  # without: optimizer steps are the steps; this ends one
+            step = self._opt_steps
+            if self._last is None:
+                self._step, self._last = step, self._watched_at
+            self._boundary(step + 1, 0)
         self._opt_steps += 1
         self._opt_end = time.monotonic()
         every = self.options.memory_every
         if every and (self._opt_steps - 1) % every == 0:
-            self.sample_memory(max(self._step, 0))
+            self.sample_memory(max(step, 0))
 
     def sample_memory(self, step: int) -> None:
         values = memory_by_category(self._model, self._optimizers, self.device)
@@ -148,7 +154,9 @@ class Recorder:
         # The last step ends with its optimizer step, not with whatever the function did
         # after the loop (gathering a state dict, evaluating).
         end = time.monotonic()
-        if self._last is not None and self._opt_end > self._last:
+        if not self._batches_seen:
+            self._last = None  # the step begun by the last optimizer step has none of its own
+        elif self._last is not None and self._opt_end > self._last:
             end = self._opt_end
         self._close_step(end)
         if self.comm:
