@@ -543,3 +543,35 @@ def test_steps_carry_the_plan_from_the_worker():
     steps = run.history.events("step", 0)
     assert [(e.epoch, e.epoch_steps, e.total_steps) for e in steps] == \
         [(0, 3, 12)] * 3 + [(1, 3, 12)] * 3
+
+
+class OffloadedRun:
+    """A finished GPU run whose model state lived in host memory (as fsdp_offload's
+    does): a hand-written stand-in, since CI has no GPU."""
+
+    def __init__(self):
+        from nbtrain.telemetry.history import History
+
+        self.strategy = nbtrain.strategies.get("fsdp_offload")
+        self.world_size, self.status, self.history = 2, "done", History()
+        for rank in (0, 1):
+            self.history.append(Memory(rank, 1, 0.0, {
+                "params": 0, "grads": 0, "optimizer": 0, "params_host": 2**20,
+                "grads_host": 2**20, "optimizer_host": 2**21, "cuda_allocated": 2**19}))
+
+    def summary(self):
+        from nbtrain.telemetry.summary import summarize
+
+        return summarize(self.history, self.world_size)
+
+
+def test_host_memory_is_drawn_apart_and_named():
+    run = OffloadedRun()
+    state = LiveState(2)
+    state.update(run.history.events())
+    bars = {t.name: t for t in build_figure(state).data if t.type == "bar"}
+    assert {"params (host)", "grads (host)", "optimizer (host)"} <= set(bars)
+    assert bars["params (host)"].marker.pattern.shape == "/"  # hatched: not on the device
+    assert "params" not in bars or not any(bars["params"].y)
+    table = compare(run, n_params=2**19).table()
+    assert "in host memory" in table and "4 MB" in table

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..telemetry.summary import Summary
-from .figures import CATEGORY_COLORS, unit_for
+from .figures import HOST_CATEGORIES, category_label, category_marker, unit_for
 from .theory import CATEGORIES, FOOTNOTE, known, n_params_from_memory, theoretical_bytes
 
 if TYPE_CHECKING:
     from ..run import Run
 
-MEASURED = ("params", "grads", "optimizer", "activations")
+MEASURED = ("params", "grads", "optimizer", "activations", *HOST_CATEGORIES)
 # Within these relative margins two runs are named as a tie: FSDP's shard padding puts
 # equal memory a few bytes apart, and step times move by a few percent between runs.
 MEMORY_TIE = 0.02
@@ -47,6 +47,11 @@ class Row:
     def model_bytes(self) -> int:
         """The most model state (params + grads + optimizer) any rank held."""
         return max((sum(m.get(c, 0) for c in CATEGORIES) for m in self.memory), default=0)
+
+    @property
+    def host_bytes(self) -> int:
+        """The most model state any rank kept in host memory (CPU offload on a GPU run)."""
+        return max((sum(m.get(c, 0) for c in HOST_CATEGORIES) for m in self.memory), default=0)
 
 
 def _fmt_bytes(nbytes: float) -> str:
@@ -161,12 +166,14 @@ class Comparison:
         return takeaway(self.rows)
 
     def table(self) -> str:
-        header = ["strategy", "ranks", "model state/rank", "theory/rank", "step ms",
-                  "samples/s", "comm/step"]
+        host = any(r.host_bytes for r in self.rows)
+        header = ["strategy", "ranks", "model state/rank", *(["in host memory"] if host else []),
+                  "theory/rank", "step ms", "samples/s", "comm/step"]
         lines = [header]
         for r in self.rows:
             theory = sum(r.theory.values()) if r.theory else None
             lines.append([r.label, str(r.world_size), _fmt_bytes(r.model_bytes) if r.model_bytes else "-",
+                          *([_fmt_bytes(r.host_bytes) if r.host_bytes else "-"] if host else []),
                           _fmt_bytes(theory) if theory is not None else "-",
                           f"{r.step_time * 1000:.1f}" if r.step_time else "-",
                           f"{r.samples_per_s:,.0f}" if r.samples_per_s else "-",
@@ -222,9 +229,9 @@ class Comparison:
                     ys.append(r.theory.get(cat, 0) / size)
             if not any(ys):
                 continue
-            fig.add_trace(go.Bar(x=[groups, bars], y=ys, name=cat,
-                                 marker_color=CATEGORY_COLORS.get(cat),
-                                 hovertemplate=f"%{{x}}<br>{cat}: %{{y:.3g}} {unit}"
+            fig.add_trace(go.Bar(x=[groups, bars], y=ys, name=category_label(cat),
+                                 marker=category_marker(cat),
+                                 hovertemplate=f"%{{x}}<br>{category_label(cat)}: %{{y:.3g}} {unit}"
                                                "<extra></extra>"), row=1, col=1)
         labels = [r.label for r in self.rows]
         fig.add_trace(go.Bar(x=labels, y=[(r.step_time or 0) * 1000 for r in self.rows],

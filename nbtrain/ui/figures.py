@@ -42,7 +42,9 @@ PANELS = {  # key -> (title, x label, y label, y non-negative), in layout order
     "cuda": ("CUDA allocator per rank", "", "KB", True),
 }
 AXES = {key: i + 1 for i, key in enumerate(PANELS)}  # panel -> its axis pair number
-MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations")
+# Model state in host memory on a GPU run (FSDP's CPU offload): drawn hatched, "(host)".
+HOST_CATEGORIES = ("params_host", "grads_host", "optimizer_host")
+MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", *HOST_CATEGORIES)
 CUDA_CATEGORIES = ("cuda_allocated", "cuda_reserved", "cuda_peak")
 # Ranks: strong colours; categories and collectives: softer or darker ones of other hues.
 RANK_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2",
@@ -50,6 +52,21 @@ RANK_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2",
 CATEGORY_COLORS = {"params": "#8DA0CB", "grads": "#FC8D62", "optimizer": "#66C2A5",
                    "activations": "#E5C494", "cuda_allocated": "#A6D854",
                    "cuda_reserved": "#B3B3B3", "cuda_peak": "#FFD92F"}
+CATEGORY_COLORS.update({f"{c}_host": CATEGORY_COLORS[c] for c in ("params", "grads",
+                                                                   "optimizer")})
+
+
+def category_label(cat: str) -> str:
+    """``params_host`` -> ``params (host)``; others as they are."""
+    return cat.removesuffix("_host") + " (host)" if cat.endswith("_host") else cat
+
+
+def category_marker(cat: str) -> dict:
+    """The bar marker of a memory category: its colour, hatched when in host memory."""
+    marker: dict = {"color": CATEGORY_COLORS[cat]}
+    if cat.endswith("_host"):
+        marker["pattern"] = {"shape": "/"}
+    return marker
 COLLECTIVE_COLORS = ("#4D4D4D", "#E69F00", "#0072B2", "#CC79A7", "#7F3B08", "#35978F")
 DASHES = ("solid", "dot", "dash", "dashdot", "longdash")
 WARMUP_CLIP = 1.2  # the warm-up mark is drawn at most this × the slowest other step
@@ -157,10 +174,10 @@ def trace_specs(state: LiveState) -> list[TraceSpec]:
             y = [state.memory[r].get(cat, 0) / size for r in ranks_with_memory]
             specs.append(TraceSpec(
                 f"{panel}:{cat}", panel, "bar",
-                {"name": cat.removeprefix("cuda_") if panel == "cuda" else cat,
-                 "marker": {"color": CATEGORY_COLORS[cat]}, "legendgroup": cat,
+                {"name": cat.removeprefix("cuda_") if panel == "cuda" else category_label(cat),
+                 "marker": category_marker(cat), "legendgroup": cat,
                  "legendrank": LEGEND_RANKS[panel] + i},
-                {"x": labels, "y": y, "hovertemplate": f"%{{x}} {cat}: %{{y:.3g}} {unit}"
+                {"x": labels, "y": y, "hovertemplate": f"%{{x}} {category_label(cat)}: %{{y:.3g}} {unit}"
                                                         "<extra></extra>"},
                 (tuple(labels), tuple(y))))
     unit, size = units["comm"]
