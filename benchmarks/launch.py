@@ -2,7 +2,7 @@
 
 Each launcher runs in a real Jupyter kernel of its own (jupyter_client, the way Jupyter
 drives one), with its defaults on: nbtrain's telemetry and dashboard, Lightning's
-progress bar. The workload is what a user writes: a ~1M-parameter MLP, AdamW, a
+progress bar. The workload is what a user writes: a 0.92M-parameter MLP, AdamW, a
 DataLoader of 2 ranks on CPU (gloo). The kernels are alive at the same time and take
 turns, so load on the machine falls on every launcher alike. Ratios are to Lightning's
 ``Trainer(strategy="ddp_notebook")``, the usual way to train from a notebook.
@@ -45,7 +45,7 @@ def since(t):
     with open(STAMP) as f:
         return float(f.read()) - t
 
-def make_model():  # 1.05M parameters
+def make_model():  # 0.92M parameters
     return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(),
                          nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
 
@@ -195,7 +195,7 @@ def main() -> None:
             kernel.shutdown()
     med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
     base = BASE if BASE in med else "nbtrain fork"
-    print(f"\nIn a Jupyter kernel each: 2 ranks on CPU (gloo), 1.05M-parameter MLP + AdamW, "
+    print(f"\nIn a Jupyter kernel each: 2 ranks on CPU (gloo), 0.92M-parameter MLP + AdamW, "
           f"defaults on; {os.cpu_count()} cores, torch {torch.__version__}; median of "
           f"{args.repeats} later launches; ratios to {base}")
     print(f"{'launcher':30s} {'first launch':>12s} {'call->step':>11s} {'ratio':>6s} "

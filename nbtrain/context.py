@@ -27,7 +27,7 @@ from .telemetry.events import Metric
 from .telemetry.recorder import Recorder
 
 if TYPE_CHECKING:
-    from .launch.worker import WorkerSpec
+    from .spec import WorkerSpec
     from .strategies import Strategy
     from .telemetry.channel import TelemetryClient
 

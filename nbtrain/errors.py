@@ -13,6 +13,8 @@ import re
 import signal
 import sys
 
+from .cells import current as current_cell
+
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _FRAME = re.compile(r'^(\s*)File "([^"]+)", line (\d+)(.*)$')
 
@@ -72,7 +74,7 @@ class WorkerError(RuntimeError):
             lines += cell_names("".join(traceback.format_list(frames))).rstrip().splitlines()
             lines.append("")
         body = self._text()
-        if self.traceback and self.shown_in_cell is not None and self.shown_in_cell == _cell():
+        if self.traceback and self.shown_in_cell is not None and self.shown_in_cell == current_cell():
             # The run's view in this cell shows the traceback: here only where it failed in
             # the user's cells, so it is not on the page twice.
             cells = _cell_frames(self.traceback)
@@ -177,12 +179,6 @@ def _package_dirs(*names: str) -> list[str]:
         if module is not None and getattr(module, "__file__", None):
             dirs.append(os.path.dirname(os.path.abspath(module.__file__)) + os.sep)
     return dirs
-
-
-def _cell() -> int | None:
-    from .ui import _cell as cell
-
-    return cell()
 
 
 def signal_name(signum: int) -> str:

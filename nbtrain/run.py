@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from .errors import RunStoppedError, RunTimeoutError, WorkerError, cell_names
@@ -16,6 +17,19 @@ from .telemetry.events import Event, Lifecycle, Output
 from .telemetry.history import History
 from .telemetry.sinks import Sink, SinkDispatcher
 from .telemetry.summary import Summary, summarize
+
+# How runs are shown: a UI registers itself here, so Run depends on no UI.
+#   "attach": (run, dashboard) -> a live view (a sink with .start()) or None
+#   "display": (run) -> None, a finished or live run shown as a cell's value
+_VIEWS: dict[str, Callable[..., Any]] = {}
+DASHBOARDS = (True, False, None, "auto", "widget", "static", "text")
+
+
+def register_views(attach: Callable[..., Any], display: Callable[[Run], None]) -> None:
+    """Make ``attach`` the live view ``launch(dashboard=...)`` gets and ``display`` how a
+    ``Run`` shows itself (``nbtrain.ui`` registers its dashboard when imported)."""
+    _VIEWS.update(attach=attach, display=display)
+
 
 _ACTIVE: weakref.WeakSet[Run] = weakref.WeakSet()
 _LAST: Run | None = None  # the most recent run started in this process
@@ -147,12 +161,20 @@ class Run:
         return (f"<Run {self.fn_name} strategy={self.strategy.name} {where} "
                 f"start={self.start_method}: {self._status} after {self.elapsed:.1f}s>")
 
-    def _ipython_display_(self) -> None:
-        """A run shown on its own (last line of a cell): its summary dashboard."""
-        from .ui import show_run, shown_here
+    def attach_view(self, dashboard: bool | str = "auto"):
+        """The live view ``launch(dashboard=...)`` asks for, from whatever UI registered
+        itself (``nbtrain.ui`` does); None without one. It is one of the run's sinks."""
+        attach = _VIEWS.get("attach")
+        return attach(self, dashboard) if attach is not None else None
 
-        if not shown_here(self):  # its live dashboard is already in this cell
-            show_run(self)
+    def _ipython_display_(self) -> None:
+        """A run shown on its own (last line of a cell): the registered UI's summary
+        dashboard, or the summary as text."""
+        display = _VIEWS.get("display")
+        if display is not None:
+            display(self)
+        else:
+            print(f"{self!r}\n{self.summary()}")
 
     # -- kernel side plumbing ----------------------------------------------------------
     def _on_event(self, event: Event) -> None:

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import seeding, strategies
-from ..run import Run
+from ..run import DASHBOARDS, Run
+from ..spec import WorkerSpec
 from ..strategies import Strategy
 from ..telemetry.channel import TelemetryServer
 from ..telemetry.options import Telemetry
@@ -23,7 +24,6 @@ from .guards import choose_start_method, fork_threads
 from .launcher import Launcher
 from .spawn import SpawnLauncher
 from .supervisor import Supervisor, kill_group
-from .worker import WorkerSpec
 
 __all__ = ["launch"]
 
@@ -79,9 +79,9 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
         raise TypeError(f"launch() takes the function to run first; got {type(fn).__name__}.")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
-    from ..ui.frontend import check_arg
-
-    check_arg(dashboard)
+    if dashboard not in DASHBOARDS:
+        raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, False, or "
+                         "force one view: 'widget', 'static' or 'text'.")
     resume = _resume_path(resume)
     base_seed = seeding.base_seed(seed)
     options = Telemetry.from_arg(telemetry)
@@ -95,9 +95,7 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
               seed=base_seed)
     view = None
     if dashboard is not False and options.enabled:
-        from ..ui import attach_dashboard
-
-        view = attach_dashboard(run, dashboard)  # shows its header now, nothing heavy
+        view = run.attach_view(dashboard)  # shows its header now, nothing heavy
     _start(run, launcher, payload, plan, options, resume,
            data_seed=seed if seed is not None else 0)
     if view is not None:

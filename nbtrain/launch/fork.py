@@ -9,9 +9,9 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
+from ..spec import WorkerSpec
 from .launcher import WorkerHandle, start_with_context
 from .warm import warm_kernel
-from .worker import WorkerSpec
 
 
 class ForkLauncher:

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .worker import WorkerSpec
+from ..spec import WorkerSpec
 
 
 @dataclass

@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from ..spec import WorkerSpec
 from .launcher import WorkerHandle, start_with_context
-from .worker import WorkerSpec
 
 
 class SpawnLauncher:

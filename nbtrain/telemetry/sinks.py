@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from .events import Event
 
-if TYPE_CHECKING:
-    from ..run import Run
+# The run a sink is closed with is an ``nbtrain.run.Run``; it is not imported here, so the
+# import graph stays one-way (the Run holds its sinks, sinks do not depend on it).
+Run = Any
 
 
 class Sink(Protocol):

@@ -1,8 +1,9 @@
 """What users see of a run: the live dashboard, its static and text fallbacks, the
 strategy picker and the comparison of finished runs.
 
-``launch(dashboard=...)`` calls ``attach_dashboard``; a ``Run`` shown on its own calls
-``show_run``. Nothing here may break or slow a run: a view that cannot be built is
+The UI attaches itself to runs: importing this package registers ``attach_dashboard`` as
+the view ``launch(dashboard=...)`` asks a ``Run`` for, and ``show_run`` as how a ``Run``
+shown on its own displays (``Run`` itself knows no UI). Nothing here may break or slow a run: a view that cannot be built is
 skipped with a warning, and a view that fails to draw stops drawing.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
+from .. import run as _run
+from ..cells import mark_shown, shown_here
 from .compare import Comparison, compare
 from .frontend import choose_mode
 from .picker import StrategyPicker
@@ -21,28 +24,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Comparison", "Progress", "StrategyPicker", "attach_dashboard", "compare",
            "make_view", "progress", "show_run"]
-
-
-def _cell() -> int | None:
-    """The number of the cell running now, or None outside IPython."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return None
-    shell = get_ipython()
-    return getattr(shell, "execution_count", None) if shell is not None else None
-
-
-def mark_shown(obj) -> None:
-    """``obj`` has shown itself in the cell running now."""
-    obj._nbtrain_shown_in = _cell()
-
-
-def shown_here(obj) -> bool:
-    """Did ``obj`` already show itself in this cell? Then, as the cell's last line, it
-    must not show a second time (``nbtrain.compare(a, b)``, a picker, a launch)."""
-    cell = _cell()
-    return cell is not None and getattr(obj, "_nbtrain_shown_in", None) == cell
 
 
 def make_view(run: Run | None, mode: str, display: bool = True):
@@ -108,3 +89,10 @@ def show_run(run: Run) -> None:
         except ImportError:
             display({"text/plain": str(run.summary())}, raw=True)
 
+
+def _display(run: Run) -> None:
+    if not shown_here(run):  # its live dashboard is already in this cell
+        show_run(run)
+
+
+_run.register_views(attach=attach_dashboard, display=_display)

@@ -15,6 +15,7 @@ import html
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..cells import mark_shown, shown_here
 from ..telemetry.summary import Summary
 from .figures import HOST_CATEGORIES, category_label, category_marker, unit_for
 from .theory import CATEGORIES, FOOTNOTE, known, n_params_from_memory, theoretical_bytes
@@ -264,8 +265,6 @@ class Comparison:
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
-        from . import shown_here
-
         if shown_here(self):
             return
 
@@ -299,8 +298,6 @@ def compare(*runs: Run, n_params: int | None = None, optimizer: str = "adam",
 
             if get_ipython() is not None:
                 result._ipython_display_()
-                from . import mark_shown
-
                 mark_shown(result)
             else:
                 print(result)

@@ -17,6 +17,8 @@ import os
 import sys
 import warnings
 
+from ..run import DASHBOARDS
+
 MODES = ("widget", "static", "text")
 INSTALL = "pip install ipywidgets anywidget plotly"
 _warned: set[str] = set()
@@ -24,7 +26,7 @@ _warned: set[str] = set()
 
 def check_arg(dashboard) -> None:
     """Fail at ``launch()`` for a value that is not a dashboard setting."""
-    if dashboard in (True, False, None, "auto", *MODES):
+    if dashboard in DASHBOARDS:
         return
     raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, False, "
                      f"or force one view: {', '.join(map(repr, MODES))}.")

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import strategies
+from ..cells import mark_shown, shown_here
 from .compare import Comparison
 
 if TYPE_CHECKING:
@@ -85,8 +86,6 @@ class StrategyPicker:
         self._describe()
         if display:
             from IPython.display import display as show
-
-            from . import mark_shown
 
             show(self.widget)
             mark_shown(self)
@@ -220,8 +219,6 @@ class StrategyPicker:
 
     def _ipython_display_(self) -> None:
         from IPython.display import display as show
-
-        from . import shown_here
 
         if not shown_here(self):
             show(self.widget)

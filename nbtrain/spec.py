@@ -1,0 +1,46 @@
+"""What a worker is told at start: the explicit, plain-data snapshot both sides read.
+
+The kernel's launcher builds one ``WorkerSpec`` per rank; the worker's ``main`` and its
+``Context`` read it. It lives apart from both, so neither side imports the other for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .telemetry.options import Telemetry
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to know, handed over explicitly at start."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    accelerator: str  # "cpu" or "cuda"
+    device_index: int | None
+    backend: str  # "gloo", or "cpu:gloo,cuda:nccl" on CUDA
+    store_host: str
+    store_port: int
+    telemetry_address: tuple[str, int] | None
+    telemetry_token: str
+    num_threads: int | None  # torch threads; None: leave as the user set them
+    pg_timeout_s: float
+    parent_pid: int
+    die_with_parent: bool  # PR_SET_PDEATHSIG: launched from the main thread
+    telemetry: Telemetry = Telemetry()
+    resume_from: str | None = None  # launch(resume=...): the checkpoint to go on from
+    seed: int = 0  # the launch's base seed; this rank starts from seed + rank (seeding.py)
+    data_seed: int = 0  # ctx.dataloader's shuffle seed, the same on every rank
+
+    def environ(self) -> dict[str, str]:
+        env = {
+            "MASTER_ADDR": self.store_host, "MASTER_PORT": str(self.store_port),
+            "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.world_size),
+            "GROUP_RANK": "0",
+        }
+        if self.num_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.num_threads)
+        return env
