@@ -8,10 +8,18 @@ from . import strategies
 from .context import Context
 from .errors import RunStoppedError, RunTimeoutError, WorkerError
 from .launch import launch
+from .launch.pool import RankPool
 from .run import Run
 from .telemetry.options import Telemetry
 from .ui import StrategyPicker, compare
 
-__all__ = ["Context", "Run", "RunStoppedError", "RunTimeoutError", "StrategyPicker",
-           "Telemetry", "WorkerError", "compare", "launch", "strategies"]
+__all__ = ["Context", "RankPool", "Run", "RunStoppedError", "RunTimeoutError",
+           "StrategyPicker", "Telemetry", "WorkerError", "compare", "launch", "strategies"]
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext nbtrain``: the ``%%ranks`` cell magic (see ``nbtrain.magics``)."""
+    from .magics import load_ipython_extension as load
+
+    load(ipython)

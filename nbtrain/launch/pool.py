@@ -1,0 +1,696 @@
+"""``RankPool``: warm workers kept across launches and cells.
+
+The pool starts one worker per device with the ordinary launchers (fork or spawn) and a
+``WorkerSpec`` marked ``pool``; each worker joins the process group once (through a
+``TCPStore`` in the kernel that lives as long as the pool) and then waits for commands
+(``pool_worker``). Every command is one *operation*: a ``PoolOp`` thread, a
+``Supervisor`` that ends when every rank it asked has replied rather than exited, reads
+the replies and labels the output lines ``[rank N]``. ``pool.launch`` hands its
+operation to a ``Run`` as its supervisor, so a pool run is the same ``Run`` that
+``nbtrain.launch`` returns.
+
+Failure stays contained where the process group survives it: an exception is a reply
+like any other. An interrupt (or ``timeout=``) sends SIGINT to the ranks still busy and
+waits ``INTERRUPT_GRACE_S`` for them; a rank that does not answer (stuck in a
+collective, which holds off Python's signal handlers) or one that died ends the whole
+pool, which says so and starts again on its next use.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import json
+import os
+import pickle
+import selectors
+import signal
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import WorkerError
+from .launcher import WorkerHandle
+from .supervisor import FAILURE_GRACE_S, Failure, Supervisor, _Worker, kill_group
+from .worker import FAILURE, RESULT_PICKLE, WorkerSpec
+
+INTERRUPT_GRACE_S = 3.0  # after SIGINT, how long busy ranks get to reply
+EXIT_GRACE_S = 2.0  # after "exit", how long before SIGKILL
+_HOST = "127.0.0.1"
+_POOLS: weakref.WeakSet[RankPool] = weakref.WeakSet()
+_active: weakref.ref | None = None  # the pool %%ranks uses: the last one started
+
+
+def active_pool() -> RankPool:
+    pool = _active() if _active is not None else None
+    if pool is None or pool.closed:
+        raise RuntimeError("no RankPool is open: start one first, e.g. "
+                           "pool = nbtrain.RankPool(devices=2, accelerator='cpu').")
+    return pool
+
+
+class RankCellError(WorkerError):
+    """A ``%%ranks`` cell (or a pull/push) failed on one or more ranks.
+
+    ``failures`` maps each failing rank to its ``(type, message, traceback)``."""
+
+    def __init__(self, failures: dict[int, tuple[str, str, str]], note: str = ""):
+        self.failures = dict(failures)
+        first = min(failures)
+        exc_type, message, _ = failures[first]
+        tracebacks = "\n".join(_label(tb or f"{t}: {m}\n", r)
+                               for r, (t, m, tb) in sorted(failures.items()))
+        others = [f"rank {r}: also failed with {t}: {_first_line(m)}"
+                  for r, (t, m, _) in sorted(failures.items()) if r != first]
+        super().__init__(first, exc_type, message, tracebacks, others, note)
+
+    def __reduce__(self):
+        return (type(self), (self.failures, self.hint))
+
+
+class PoolOp(Supervisor):
+    """One command on some of the pool's ranks, watched until each of them replied.
+
+    Teardown differs from a one-shot run's: a failure, a stop or the deadline first
+    interrupts the ranks still busy, and only ranks that do not answer within
+    ``INTERRUPT_GRACE_S`` get the whole pool ended (``kill_pool``)."""
+
+    def __init__(self, handles: list[WorkerHandle], emit, deadline: float | None,
+                 kill_pool: Callable[[], None]):
+        super().__init__(handles, emit, deadline)
+        self._kill_pool = kill_pool
+        self.interrupted_at: float | None = None
+        self.interrupted: list[int] = []
+        self.killed: list[int] = []  # ranks that did not answer the interrupt
+        self.died: list[int] = []  # ranks that ended before the pool ended them
+        self._thread.name = "nbtrain-pool-op"
+
+    def pending(self) -> list[_Worker]:
+        return [w for w in self.workers.values()
+                if w.exitcode is None and w.result is None and w.failure is None]
+
+    @property
+    def pool_broken(self) -> bool:
+        return bool(self.killed) or any(w.exitcode is not None for w in self.workers.values())
+
+    def _loop(self) -> None:
+        sel = self._sel
+        sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+        for w in self.workers.values():
+            h = w.handle
+            sel.register(h.process.sentinel, selectors.EVENT_READ, ("exit", w))
+            sel.register(h.control, selectors.EVENT_READ, ("control", w))
+            for stream, conn in (("out", h.out), ("err", h.err)):
+                os.set_blocking(conn.fileno(), False)
+                sel.register(conn, selectors.EVENT_READ, (stream, w))
+        while True:
+            if self.killed:
+                if all(w.exitcode is not None for w in self.workers.values()):
+                    break
+            elif not self.pending():
+                break
+            now = time.monotonic()
+            self._advance(now)
+            timeout = 0.05 if (self.teardown_cause or self.failures) else 0.5
+            if self.deadline is not None and self.teardown_cause is None:
+                timeout = max(0.0, min(timeout, self.deadline - now))
+            for key, _ in sel.select(timeout):
+                self._handle(*key.data)
+        self._drain_output()
+
+    def _advance(self, now: float) -> None:
+        if self.teardown_cause is None:
+            if self._stop_requested:
+                self.teardown_cause, self.stop_reason = "stop", self._stop_requested
+            elif self.deadline is not None and now >= self.deadline:
+                self.teardown_cause = "timeout"
+                self.timed_out_ranks = [w.handle.rank for w in self.pending()]
+            elif self.failures and now - self.failures[0].t >= FAILURE_GRACE_S * 4:
+                self.teardown_cause = "failure"  # the others may wait for the failed rank
+            if self.teardown_cause is not None:
+                self.interrupted_at = now
+                for w in self.pending():
+                    self.interrupted.append(w.handle.rank)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(w.handle.pid, signal.SIGINT)
+        elif not self.killed and self.pending() and \
+                now - self.interrupted_at >= INTERRUPT_GRACE_S:
+            self.killed = [w.handle.rank for w in self.pending()]
+            self._kill_pool()
+
+    def _read_control(self, w: _Worker) -> None:
+        super()._read_control(w)
+        f = w.failure
+        if f is not None and w.handle.rank in self.interrupted and \
+                f.exc_type == "KeyboardInterrupt":
+            f.secondary = True  # we interrupted it: not the cause
+
+    def _on_exit(self, w: _Worker) -> None:
+        h = w.handle
+        if w.exitcode is not None:
+            return
+        self._forget(h.process.sentinel)
+        kill_group(h.pid, signal.SIGKILL)
+        h.process.join(timeout=5)
+        w.exitcode = h.process.exitcode if h.process.exitcode is not None else -signal.SIGKILL
+        while w.control_open and _poll(h.control):
+            self._read_control(w)
+        if self.killed:
+            return  # we ended it
+        self.died.append(h.rank)
+        if w.failure is None:
+            w.failure = _death(h.rank, w.exitcode)
+
+    def _drain_output(self) -> None:
+        """What is in the pipes now: a worker flushes its output before it replies, so
+        the lines of this command are there (the pipes stay open for the next one)."""
+        for w in self.workers.values():
+            for stream in ("out", "err"):
+                if w.exitcode is None or w.partial[stream] is not None:
+                    while self._read_output(w, stream) and _readable(w, stream):
+                        pass
+                if w.partial[stream]:
+                    self._emit(w.handle.rank, stream, w.partial[stream])
+                    w.partial[stream] = ""
+
+    def _cleanup(self) -> None:  # the pool owns the workers and their pipes
+        self._sel.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _death(rank: int, exitcode: int) -> Failure:
+    from ..errors import signal_hint, signal_name
+
+    if exitcode < 0:
+        sig = -exitcode
+        return Failure(rank, signal_name(sig),
+                       f"rank {rank} was killed by {signal_name(sig)} (signal {sig}) "
+                       "without a Python traceback", "", time.monotonic(),
+                       hint=signal_hint(sig))
+    return Failure(rank, "WorkerExit", f"rank {rank} exited with code {exitcode} "
+                   "(os._exit() or a crash in native code?)", "", time.monotonic())
+
+
+def _readable(w: _Worker, stream: str) -> bool:
+    conn = w.handle.out if stream == "out" else w.handle.err
+    try:
+        return bool(selectors.select.select([conn.fileno()], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False
+
+
+def _poll(conn) -> bool:
+    try:
+        return conn.poll()
+    except (OSError, EOFError):
+        return False
+
+
+class RankPool:
+    """Warm workers, one per device, kept across ``pool.launch`` calls and ``%%ranks`` cells.
+
+        pool = nbtrain.RankPool(devices=2, accelerator="cpu", start_method="spawn")
+        run = pool.launch(train, strategy="ddp")    # a Run, as nbtrain.launch gives
+        pool.pull("x")                               # one value per rank
+        pool.close()                                 # or: with nbtrain.RankPool(...) as pool:
+
+    Args:
+        devices, accelerator, start_method: as for ``nbtrain.launch``. The process group
+            starts once, with the pool; only the first start pays for spawn.
+        timeout: seconds a collective may wait before the process group gives up
+            (torch's process-group timeout; default 600).
+
+    After a rank dies, or ranks stuck in a collective had to be ended, the pool says so;
+    its next use starts fresh workers (names defined in ``%%ranks`` cells are lost).
+    """
+
+    def __init__(self, devices: int | str | list[int] = "auto", accelerator: str = "auto",
+                 start_method: str = "auto", timeout: float | None = None):
+        from .devices import parse_devices
+        from .guards import choose_start_method
+
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+        self.plan = parse_devices(devices, accelerator)
+        self.start_method = choose_start_method(start_method)
+        self._pg_timeout = float(timeout or 600.0)
+        self._handles: list[WorkerHandle] = []
+        self._launcher = None
+        self._store = None
+        self._lock = threading.Lock()
+        self._busy: str | None = None  # what runs now: "cell", "launch", ...
+        self._ended: str | None = None  # why the workers were ended (restart on next use)
+        self._cells = 0
+        self.closed = False
+        self.started = 0  # how many times workers were started
+        self._start()
+        global _active
+        _active = weakref.ref(self)
+        _POOLS.add(self)
+        atexit.unregister(_close_pools)
+        atexit.register(_close_pools)
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def _start(self) -> None:
+        import torch.distributed as dist
+
+        from . import LAUNCHERS
+        from .devices import threads_per_worker
+        from .guards import fork_threads
+        from .warm import warm_kernel
+
+        launcher = LAUNCHERS[self.start_method]()
+        if self.start_method == "fork":
+            warm_kernel()
+        handles: list[WorkerHandle] = []
+        store = None
+        try:
+            store = dist.TCPStore(_HOST, 0, self.world_size, is_master=True,
+                                  timeout=datetime.timedelta(seconds=self._pg_timeout),
+                                  wait_for_workers=False)
+            threads = threads_per_worker(self.world_size)
+            if launcher.name == "fork":
+                threads = fork_threads(threads)
+            for rank, index in enumerate(self.plan.indices):
+                spec = WorkerSpec(
+                    rank=rank, local_rank=rank, world_size=self.world_size,
+                    accelerator=self.plan.accelerator,
+                    device_index=index if self.plan.accelerator == "cuda" else None,
+                    backend=self.plan.backend, store_host=_HOST, store_port=store.port,
+                    telemetry_address=None, telemetry_token="", num_threads=threads,
+                    pg_timeout_s=self._pg_timeout, parent_pid=os.getpid(),
+                    die_with_parent=threading.current_thread() is threading.main_thread(),
+                    pool=True)
+                handles.append(launcher.start(spec, None))
+            self._handles, self._launcher, self._store = handles, launcher, store
+            op = self._begin(list(range(self.world_size)), None, "start", None)
+            self._finish(op, "start")
+            failures = {r: w.failure for r, w in op.workers.items() if w.failure}
+            if failures:
+                raise _cell_error(failures, "the pool could not start its process group")
+        except BaseException:
+            self._end_workers(handles, launcher)
+            self._handles, self._launcher, self._store = [], None, None
+            raise
+        self._ended = None
+        self.started += 1
+
+    def _end_workers(self, handles, launcher, graceful: bool = False) -> None:
+        if graceful:
+            for h in handles:
+                if h.process.exitcode is None:
+                    with contextlib.suppress(OSError, ValueError):
+                        h.commands.send_bytes(pickle.dumps({"op": "exit"}))
+            deadline = time.monotonic() + EXIT_GRACE_S
+            for h in handles:
+                h.process.join(max(0.0, deadline - time.monotonic()))
+        for h in handles:
+            kill_group(h.pid, signal.SIGKILL)  # and whatever it started (DataLoader workers)
+            h.process.join(5)
+            for conn in (h.control, h.out, h.err, h.commands):
+                if conn is not None:
+                    with contextlib.suppress(OSError):
+                        conn.close()
+            with contextlib.suppress(Exception):
+                h.process.close()
+        if launcher is not None:
+            launcher.close()
+
+    def _kill_all(self) -> None:
+        for h in self._handles:
+            kill_group(h.pid, signal.SIGKILL)
+
+    def _teardown(self, reason: str) -> None:
+        """End the workers (a rank died or stayed stuck); the next use starts new ones."""
+        self._end_workers(self._handles, self._launcher)
+        self._handles, self._launcher, self._store = [], None, None
+        self._ended = reason
+
+    def restart(self) -> None:
+        """End the workers and start new ones (fresh namespaces and process group)."""
+        self._check_open()
+        with self._claim("restart"):
+            if self._handles:
+                self._end_workers(self._handles, self._launcher, graceful=True)
+                self._handles, self._launcher, self._store = [], None, None
+            self._start()
+
+    def close(self) -> None:
+        """End every worker, the rendezvous store and the helper processes the pool made."""
+        if self.closed:
+            return
+        op = getattr(self, "_op", None)
+        if op is not None and not op.done.is_set():  # a background run: stop it first
+            op.request_stop("the pool is closing")
+            op.done.wait(INTERRUPT_GRACE_S + 5)
+        self.closed = True
+        self._end_workers(self._handles, self._launcher, graceful=True)
+        self._handles, self._launcher, self._store = [], None, None
+        _POOLS.discard(self)
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this RankPool is closed; start a new one with "
+                               "nbtrain.RankPool(...).")
+
+    @contextlib.contextmanager
+    def _claim(self, what: str):
+        with self._lock:
+            if self._busy is not None:
+                raise RuntimeError(f"the pool is busy ({self._busy}); wait for it to finish "
+                                   "or stop it (run.stop()) first.")
+            self._busy = what
+        try:
+            yield
+        finally:
+            self._busy = None
+
+    def _ensure_started(self) -> None:
+        self._check_open()
+        if not self._handles:
+            why = self._ended or "it was ended"
+            print(f"nbtrain: restarting the pool's {self.world_size} workers ({why}); names "
+                  "defined in %%ranks cells before are gone.", file=sys.stderr)
+            self._start()
+
+    # -- operations ----------------------------------------------------------------------
+    def _begin(self, ranks: list[int], command: dict | None, what: str,
+               deadline: float | None, emit=None) -> PoolOp:
+        handles = [self._handles[r] for r in ranks]
+        op = PoolOp(handles, emit or _writer(), deadline, self._kill_all)
+        if command is not None:
+            for h in handles:
+                data = pickle.dumps(command(h.rank) if callable(command) else command)
+                try:
+                    h.commands.send_bytes(data)
+                except OSError:  # it died; the op sees its exit and reports it
+                    pass
+        self._op = op
+        op.start()
+        return op
+
+    def _finish(self, op: PoolOp, what: str) -> None:
+        """After an operation: end the pool if a rank died or stayed stuck."""
+        op.done.wait()
+        if op.crash is not None:
+            self._teardown(f"nbtrain's pool supervisor failed: {op.crash!r}")
+            return
+        if op.pool_broken:
+            dead = op.died
+            parts = []
+            if dead:
+                parts.append(", ".join(f"rank {r} died ({op.workers[r].failure.exc_type})"
+                                       if op.workers[r].failure else f"rank {r} died"
+                                       for r in dead))
+            if op.killed:
+                parts.append(f"rank{'s' if len(op.killed) > 1 else ''} "
+                             f"{', '.join(map(str, op.killed))} did not answer an interrupt "
+                             f"within {INTERRUPT_GRACE_S:g}s (stuck in a collective?)")
+            self._teardown("; ".join(parts))
+
+    def _wait(self, op: PoolOp) -> None:
+        """Wait in the cell; an interrupt interrupts the ranks (and, if stuck, the pool)."""
+        try:
+            while not op.done.wait(0.05):
+                pass
+        except KeyboardInterrupt:
+            op.request_stop("interrupted")
+            while True:  # a second interrupt does not cut the teardown short
+                try:
+                    if op.done.wait(0.05):
+                        break
+                except KeyboardInterrupt:
+                    pass
+            raise
+
+    def _ranks(self, ranks) -> list[int]:
+        if ranks is None:
+            return list(range(self.world_size))
+        if isinstance(ranks, int):
+            ranks = [ranks]
+        out = []
+        for r in ranks:
+            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.world_size:
+                raise ValueError(f"rank {r!r} is not in this pool (ranks 0..{self.world_size - 1}).")
+            if r not in out:
+                out.append(r)
+        if not out:
+            raise ValueError("give at least one rank.")
+        return out
+
+    def _command(self, ranks, command, what: str, timeout: float | None = None) -> PoolOp:
+        """Run one command on ``ranks`` in the foreground; raise what failed."""
+        self._check_open()
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+        ranks = self._ranks(ranks)
+        with self._claim(what):
+            self._ensure_started()
+            dead = [h.rank for h in self._handles if h.process.exitcode is not None]
+            deadline = time.monotonic() + timeout if timeout else None
+            # A rank that died since the last command: report it, and end the pool.
+            op = (self._begin(dead, None, what, None) if dead
+                  else self._begin(ranks, command, what, deadline))
+            interrupted = False
+            try:
+                self._wait(op)
+            except KeyboardInterrupt:
+                interrupted = True
+            self._finish(op, what)
+        note = f"The pool's workers were ended: {self._ended}. " \
+               "Its next use starts new ones." if not self._handles else ""
+        if interrupted:
+            raise KeyboardInterrupt(note or f"interrupted on rank(s) {op.interrupted}; "
+                                    "the pool is still usable")
+        if op.teardown_cause == "timeout":
+            from ..errors import RunTimeoutError
+
+            err = RunTimeoutError(timeout, op.timed_out_ranks,
+                                  [r for r in ranks if r not in op.timed_out_ranks])
+            err.hint = (err.hint + "\n" + note).strip()
+            err.args = (err._text(),)
+            raise err
+        failures = {r: w.failure for r, w in op.workers.items() if w.failure}
+        if failures:
+            raise _cell_error(failures, note)
+        return op
+
+    def run(self, code: str, ranks: int | list[int] | None = None,
+            timeout: float | None = None) -> dict[int, str | None]:
+        """Run ``code`` on ``ranks`` (all by default), each in its own namespace kept
+        across calls (``rank``, ``world_size``, ``device``, ``dist``, ``torch`` defined).
+        Output comes back labelled ``[rank N]``. Returns each rank's repr of the value of
+        the code's last expression (None if there is none). What ``%%ranks`` calls."""
+        if not isinstance(code, str):
+            raise TypeError(f"pool.run() takes code as a string; got {type(code).__name__}.")
+        self._cells += 1
+        command = {"op": "exec", "code": code, "filename": f"<%%ranks cell {self._cells}>"}
+        op = self._command(ranks, command, "cell", timeout)
+        return {r: json.loads(w.result[1:])["repr"] for r, w in sorted(op.workers.items())}
+
+    def pull(self, name: str, ranks: int | list[int] | None = None) -> list[Any]:
+        """The value of ``name`` on each rank (tensors moved to CPU), in rank order."""
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"pull({name!r}): give the name of a variable on the ranks.")
+        op = self._command(ranks, {"op": "pull", "name": name}, "pull")
+        from ..run import _dill_loads
+
+        return [pickle.loads(w.result[1:]) if w.result[:1] == RESULT_PICKLE
+                else _dill_loads(w.result[1:]) for _, w in sorted(op.workers.items())]
+
+    def push(self, ranks: int | list[int] | None = None, **values: Any) -> None:
+        """Define names on the ranks: ``pool.push(lr=0.1, x=torch.ones(3))``."""
+        if not values:
+            raise ValueError("push(name=value, ...): give at least one name.")
+        import dill
+
+        try:
+            data = dill.dumps(values, recurse=True)
+        except Exception as err:
+            raise TypeError(f"cannot send {sorted(values)} to the ranks: {err}. Send plain "
+                            "data (numbers, tensors on CPU, lists, dicts).") from err
+        self._command(ranks, {"op": "push", "values": data}, "push")
+
+    @property
+    def status(self) -> PoolStatus:
+        """Each rank: pid, alive, busy, and memory (live tensor bytes, RSS; on CUDA the
+        allocator's allocated and reserved bytes). Memory is asked of idle ranks only."""
+        self._check_open()
+        rows = []
+        memory: dict[int, dict] = {}
+        busy = self._busy
+        if busy is None and self._handles and \
+                all(h.process.exitcode is None for h in self._handles):
+            with contextlib.suppress(Exception):
+                op = self._command(None, {"op": "memory"}, "status")
+                memory = {r: json.loads(w.result[1:]) for r, w in op.workers.items()}
+        for rank in range(self.world_size):
+            h = self._handles[rank] if self._handles else None
+            alive = h is not None and h.process.exitcode is None
+            rows.append({"rank": rank, "pid": h.pid if h else None, "alive": alive,
+                         "busy": bool(busy) and alive, **memory.get(rank, {})})
+        return PoolStatus(rows, self._ended, busy)
+
+    def launch(self, fn: Callable[..., Any], *args: Any, strategy="ddp",
+               background: bool = False, timeout: float | None = None,
+               telemetry=True, sinks=(), dashboard: bool | str = "auto",
+               resume=None, **kwargs: Any):
+        """Run ``fn(ctx, *args, **kwargs)`` on the warm workers; returns a ``Run`` exactly
+        as ``nbtrain.launch`` does (same arguments, except that devices, accelerator and
+        start method are the pool's). What the run made is freed on every rank when it
+        ends (on CUDA the allocator's cache is emptied too)."""
+        from .. import strategies
+        from ..run import Run
+        from ..telemetry.channel import TelemetryServer
+        from ..telemetry.options import Telemetry
+        from ..ui.frontend import check_arg
+        from . import _resume_path
+        from .spawn import serialize
+
+        self._check_open()
+        if not callable(fn):
+            raise TypeError(f"pool.launch() takes the function to run first; got "
+                            f"{type(fn).__name__}.")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+        check_arg(dashboard)
+        resume = _resume_path(resume)
+        options = Telemetry.from_arg(telemetry)
+        chosen = strategies.get(strategy)
+        chosen.check(self.plan)
+        payload = serialize(fn, args, kwargs, chosen, "the pool's workers",
+                            "or pass it as an argument")
+        with self._lock:
+            if self._busy is not None:
+                raise RuntimeError(f"the pool is busy ({self._busy}); wait for it to finish "
+                                   "or stop it (run.stop()) first.")
+            self._busy = "launch"
+        try:
+            self._ensure_started()
+            run = Run(getattr(fn, "__name__", "fn"), chosen, self.plan,
+                      f"{self.start_method} pool", timeout, sinks)
+            if dashboard is not False and options.enabled:
+                from ..ui import attach_dashboard
+
+                attach_dashboard(run, dashboard)
+            server = TelemetryServer(run._on_event, host=_HOST) if options.enabled else None
+            overrides = {"telemetry_address": server.address if server else None,
+                         "telemetry_token": server.token if server else "",
+                         "telemetry": options, "resume_from": resume}
+            deadline = time.monotonic() + timeout if timeout else None
+            op = self._begin(list(range(self.world_size)),
+                             {"op": "launch", "payload": payload, "run": overrides},
+                             "launch", deadline, emit=run._emit)
+        except BaseException:
+            self._busy = None
+            raise
+        ranks = set(range(self.world_size))
+
+        def after() -> None:
+            try:
+                if server is not None:
+                    server.wait_closed(ranks, 2.0)
+                    server.close()
+                self._finish(op, "launch")
+                if not self._handles:  # the error the run raises says what became of us
+                    note = (f"The pool's workers were ended: {self._ended}. Its next use "
+                            "starts new ones.")
+                    for f in op.failures:
+                        f.hint = (f.hint + "\n" + note).strip()
+            finally:
+                self._busy = None
+
+        run._attach(op, [after])
+        if background:
+            return run
+        try:
+            run.wait()
+        except KeyboardInterrupt:
+            run.stop(reason="interrupted", timeout=INTERRUPT_GRACE_S + 10)
+            raise
+        return run
+
+    def __repr__(self) -> str:
+        state = ("closed" if self.closed else f"ended ({self._ended})" if self._ended
+                 else self._busy or "idle")
+        return (f"<RankPool {self.world_size}×{self.plan.accelerator} "
+                f"start={self.start_method}: {state}>")
+
+
+class PoolStatus(list):
+    """``pool.status``: one dict per rank; prints as a table."""
+
+    def __init__(self, rows: list[dict], ended: str | None, busy: str | None):
+        super().__init__(rows)
+        self.ended = ended
+        self.busy = busy
+
+    def __repr__(self) -> str:
+        lines = []
+        if self.ended:
+            lines.append(f"workers ended: {self.ended} (the next use restarts them)")
+        lines.append(f"{'rank':>4} {'pid':>8} {'alive':>5} {'busy':>5} {'tensors':>10} "
+                     f"{'rss':>10} {'cuda alloc':>10} {'cuda resv':>10}")
+        for row in self:
+            lines.append(f"{row['rank']:>4} {row['pid'] or '-':>8} {str(row['alive']):>5} "
+                         f"{str(row['busy']):>5} {_mb(row.get('tensor_bytes')):>10} "
+                         f"{_mb(row.get('rss_bytes')):>10} {_mb(row.get('cuda_allocated')):>10} "
+                         f"{_mb(row.get('cuda_reserved')):>10}")
+        return "\n".join(lines)
+
+
+def _mb(n) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MB"
+
+
+def _cell_error(failures: dict[int, Failure], note: str) -> RankCellError:
+    hints = {f.hint for f in failures.values() if f.hint}
+    return RankCellError({r: (f.exc_type, f.message, f.traceback)
+                          for r, f in sorted(failures.items())},
+                         "\n".join([*sorted(hints), note]).strip())
+
+
+def _writer():
+    streams = {"out": sys.stdout, "err": sys.stderr}
+
+    def emit(rank: int, stream: str, line: str) -> None:
+        try:
+            streams[stream].write(f"[rank {rank}] {line}\n")
+            streams[stream].flush()
+        except Exception:
+            pass
+
+    return emit
+
+
+def _label(text: str, rank: int) -> str:
+    return "\n".join(f"[rank {rank}] {line}" for line in text.rstrip().splitlines())
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
+def _close_pools() -> None:
+    for pool in list(_POOLS):
+        with contextlib.suppress(Exception):
+            pool.close()
+
+
+__all__ = ["FAILURE", "PoolOp", "RankCellError", "RankPool", "active_pool"]
