@@ -184,6 +184,29 @@ def test_pool_launch_twice_on_spawned_workers(k, kernel_clean):
         k.run("spawn_pool.close()")
 
 
+def test_an_interrupted_pool_launch_leaves_the_pool_usable(pool):
+    k = pool
+    assert k.run(TRAIN).error is None
+    assert k.run("""
+        def sleepy(ctx):
+            print("started", flush=True)
+            while True:
+                time.sleep(0.05)
+    """).error is None
+    pids = {p.pid for p in workers(k)}
+    msg = k.submit("pool.launch(sleepy, dashboard=False)")
+    k.collect(msg, timeout=30, until="[rank 0] started")
+    k.collect(msg, timeout=30, until="[rank 1] started")
+    t = time.monotonic()
+    k.interrupt_group()
+    reply = k.collect(msg, timeout=30)
+    assert time.monotonic() - t < 3.0
+    assert reply.ename == "KeyboardInterrupt"
+    assert {p.pid for p in workers(k)} == pids
+    reply = k.run("print('again', pool.launch(train, 1e-3, dashboard=False).status)")
+    assert "again done" in reply.stdout, reply
+
+
 def test_close_leaves_no_process_thread_or_port(k, kernel_clean):
     assert k.run(TRAIN).error is None
     reply = k.run("""

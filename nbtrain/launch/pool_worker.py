@@ -106,6 +106,10 @@ def _handle(spec: WorkerSpec, command: dict, namespace: dict) -> bytes:
                                                         namespace)}).encode()
         if op == "launch":
             run_spec = dataclasses.replace(spec, **command["run"])
+            if spec.accelerator == "cuda":  # this run's peak, not a cell's before it
+                import torch
+
+                torch.cuda.reset_peak_memory_stats()
             _State.busy = True
             return execute(run_spec, command["payload"])
         if op == "pull":
