@@ -186,3 +186,45 @@ def test_a_background_launch_can_be_stopped_and_the_pool_goes_on(pool):
     assert time.monotonic() - t < 3.5
     assert run.status == "stopped"
     assert pool.run("rank") == {0: "0", 1: "1"} and pool.started == 1
+
+
+def test_a_rank_killed_during_a_launch_is_named_and_the_pool_starts_again(pool):
+    with pytest.raises(nbtrain.WorkerError) as info:
+        pool.launch(fail_on, "sigkill", dashboard=False)
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "SIGKILL" and "out-of-memory" in str(err)
+    assert "workers were ended: rank 1 died (SIGKILL)" in str(err)
+    assert pool.launch(fail_on, "none", dashboard=False).results == [0, 1]
+    assert pool.started == 2
+
+
+def test_a_strategy_that_means_another_start_method_is_refused(pool):
+    with pytest.raises(ValueError, match="means start_method='spawn'"):
+        pool.launch(fail_on, "none", strategy="ddp_spawn")
+    assert pool.launch(fail_on, "none", strategy="ddp_notebook",
+                       dashboard=False).results == [0, 1]
+
+
+def test_ranks_line_and_per_rank_display():
+    from nbtrain.magics import PerRank, parse_line
+
+    assert parse_line("") == (None, None)
+    assert parse_line("all") == (None, None)
+    assert parse_line("0,1") == ([0, 1], None)
+    assert parse_line("1 --timeout 2.5") == ([1], 2.5)
+    assert parse_line("--timeout=3") == (None, 3.0)
+    for bad in ("x", "0 1", "--timeout", "--timeout soon"):
+        with pytest.raises(ValueError, match="usage"):
+            parse_line(bad)
+    shown = repr(PerRank({0: "a\nb", 1: None, 2: "c"}))
+    assert shown == "[rank 0] a\n         b\n[rank 2] c"
+
+
+def test_import_nbtrain_does_not_import_ipython():
+    """Workers import nbtrain; only %load_ext nbtrain brings in IPython (nbtrain.magics)."""
+    import subprocess
+    import sys
+
+    code = "import sys, nbtrain; print('IPython' in sys.modules, 'nbtrain.magics' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "False False", done.stderr

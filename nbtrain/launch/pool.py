@@ -35,10 +35,13 @@ from typing import Any
 
 from ..errors import WorkerError
 from .launcher import WorkerHandle
-from .supervisor import FAILURE_GRACE_S, Failure, Supervisor, _Worker, kill_group
+from .supervisor import Failure, Supervisor, _Worker, kill_group
 from .worker import FAILURE, RESULT_PICKLE, WorkerSpec
 
 INTERRUPT_GRACE_S = 3.0  # after SIGINT, how long busy ranks get to reply
+# After one rank failed, how long the others get to finish before they are interrupted
+# (those waiting for it in a collective never would).
+FAILED_RANK_GRACE_S = 1.0
 EXIT_GRACE_S = 2.0  # after "exit", how long before SIGKILL
 _HOST = "127.0.0.1"
 _POOLS: weakref.WeakSet[RankPool] = weakref.WeakSet()
@@ -129,8 +132,8 @@ class PoolOp(Supervisor):
             elif self.deadline is not None and now >= self.deadline:
                 self.teardown_cause = "timeout"
                 self.timed_out_ranks = [w.handle.rank for w in self.pending()]
-            elif self.failures and now - self.failures[0].t >= FAILURE_GRACE_S * 4:
-                self.teardown_cause = "failure"  # the others may wait for the failed rank
+            elif self.failures and now - self.failures[0].t >= FAILED_RANK_GRACE_S:
+                self.teardown_cause = "failure"
             if self.teardown_cause is not None:
                 self.interrupted_at = now
                 for w in self.pending():
@@ -170,9 +173,8 @@ class PoolOp(Supervisor):
         the lines of this command are there (the pipes stay open for the next one)."""
         for w in self.workers.values():
             for stream in ("out", "err"):
-                if w.exitcode is None or w.partial[stream] is not None:
-                    while self._read_output(w, stream) and _readable(w, stream):
-                        pass
+                while _readable(w, stream) and self._read_output(w, stream):
+                    pass
                 if w.partial[stream]:
                     self._emit(w.handle.rank, stream, w.partial[stream])
                     w.partial[stream] = ""
@@ -574,6 +576,11 @@ class RankPool:
         options = Telemetry.from_arg(telemetry)
         chosen = strategies.get(strategy)
         chosen.check(self.plan)
+        if chosen.start_method and chosen.start_method != self.start_method:
+            raise ValueError(f"strategy {chosen.name!r} means start_method="
+                             f"{chosen.start_method!r}, but this pool's workers were started "
+                             f"by {self.start_method}. Use strategy='ddp' (the same DDP), or "
+                             f"a pool with start_method={chosen.start_method!r}.")
         payload = serialize(fn, args, kwargs, chosen, "the pool's workers",
                             "or pass it as an argument")
         with self._lock:
