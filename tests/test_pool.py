@@ -228,3 +228,14 @@ def test_import_nbtrain_does_not_import_ipython():
     code = "import sys, nbtrain; print('IPython' in sys.modules, 'nbtrain.magics' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.stdout.strip() == "False False", done.stderr
+
+
+def test_closing_the_pool_stops_its_background_run(pool):
+    run = pool.launch(sleeper, background=True, dashboard=False)
+    deadline = time.monotonic() + 20
+    while run.status != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    pool.close()
+    assert run.done and run.status == "stopped"
+    assert pool.closed

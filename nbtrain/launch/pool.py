@@ -44,7 +44,7 @@ INTERRUPT_GRACE_S = 3.0  # after SIGINT, how long busy ranks get to reply
 FAILED_RANK_GRACE_S = 1.0
 EXIT_GRACE_S = 2.0  # after "exit", how long before SIGKILL
 _HOST = "127.0.0.1"
-_POOLS: weakref.WeakSet[RankPool] = weakref.WeakSet()
+_POOLS: set[RankPool] = set()  # open pools (held: their workers live until close())
 _active: weakref.ref | None = None  # the pool %%ranks uses: the last one started
 
 
@@ -318,7 +318,8 @@ class RankPool:
                 h.process.join(max(0.0, deadline - time.monotonic()))
         for h in handles:
             kill_group(h.pid, signal.SIGKILL)  # and whatever it started (DataLoader workers)
-            h.process.join(5)
+            with contextlib.suppress(ValueError):  # already closed
+                h.process.join(5)
             for conn in (h.control, h.out, h.err, h.commands):
                 if conn is not None:
                     with contextlib.suppress(OSError):
@@ -355,6 +356,9 @@ class RankPool:
         if op is not None and not op.done.is_set():  # a background run: stop it first
             op.request_stop("the pool is closing")
             op.done.wait(INTERRUPT_GRACE_S + 5)
+        deadline = time.monotonic() + 10
+        while self._busy is not None and time.monotonic() < deadline:
+            time.sleep(0.01)  # the run's own cleanup (its listener, a teardown) finishes
         self.closed = True
         self._end_workers(self._handles, self._launcher, graceful=True)
         self._handles, self._launcher, self._store = [], None, None
