@@ -207,6 +207,23 @@ def test_an_interrupted_pool_launch_leaves_the_pool_usable(pool):
     assert "again done" in reply.stdout, reply
 
 
+def test_an_interrupt_while_the_pool_starts_leaves_nothing(k, kernel_clean):
+    msg = k.submit('p = nbtrain.RankPool(devices=2, accelerator="cpu", start_method="spawn")')
+    deadline = time.monotonic() + 30
+    while len(workers(k)) < 2:  # spawned, still importing torch
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    k.interrupt_group()
+    reply = k.collect(msg, timeout=30)
+    assert reply.ename == "KeyboardInterrupt"
+    assert not wait_no_descendants(k.pid, timeout=3.0)
+    reply = k.run("""
+        with nbtrain.RankPool(devices=2, accelerator="cpu", start_method="fork") as p:
+            print(p.run("rank"))
+    """)
+    assert "{0: '0', 1: '1'}" in reply.stdout, reply
+
+
 def test_close_leaves_no_process_thread_or_port(k, kernel_clean):
     assert k.run(TRAIN).error is None
     reply = k.run("""

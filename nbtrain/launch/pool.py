@@ -276,6 +276,7 @@ class RankPool:
             warm_kernel()
         handles: list[WorkerHandle] = []
         store = None
+        op = None
         try:
             store = dist.TCPStore(_HOST, 0, self.world_size, is_master=True,
                                   timeout=datetime.timedelta(seconds=self._pg_timeout),
@@ -301,6 +302,10 @@ class RankPool:
             if failures:
                 raise _cell_error(failures, "the pool could not start its process group")
         except BaseException:
+            for h in handles:
+                kill_group(h.pid, signal.SIGKILL)
+            if op is not None:  # interrupted while waiting: let the op see the exits first
+                op.done.wait(5)
             self._end_workers(handles, launcher)
             self._handles, self._launcher, self._store = [], None, None
             raise
