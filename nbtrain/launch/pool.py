@@ -296,8 +296,8 @@ class RankPool:
                     pool=True)
                 handles.append(launcher.start(spec, None))
             self._handles, self._launcher, self._store = handles, launcher, store
-            op = self._begin(list(range(self.world_size)), None, "start", None)
-            self._finish(op, "start")
+            op = self._begin(list(range(self.world_size)), None, None)
+            self._finish(op)
             failures = {r: w.failure for r, w in op.workers.items() if w.failure}
             if failures:
                 raise _cell_error(failures, "the pool could not start its process group")
@@ -401,22 +401,23 @@ class RankPool:
             self._start()
 
     # -- operations ----------------------------------------------------------------------
-    def _begin(self, ranks: list[int], command: dict | None, what: str,
-               deadline: float | None, emit=None) -> PoolOp:
+    def _begin(self, ranks: list[int], command: dict | None, deadline: float | None,
+               emit=None) -> PoolOp:
+        """Send ``command`` to ``ranks`` and start watching them (no command: wait for
+        what they send unasked, the start's READY)."""
         handles = [self._handles[r] for r in ranks]
         op = PoolOp(handles, emit or _writer(), deadline, self._kill_all)
         if command is not None:
             for h in handles:
-                data = pickle.dumps(command(h.rank) if callable(command) else command)
                 try:
-                    h.commands.send_bytes(data)
+                    h.commands.send_bytes(pickle.dumps(command))
                 except OSError:  # it died; the op sees its exit and reports it
                     pass
         self._op = op
         op.start()
         return op
 
-    def _finish(self, op: PoolOp, what: str) -> None:
+    def _finish(self, op: PoolOp) -> None:
         """After an operation: end the pool if a rank died or stayed stuck."""
         op.done.wait()
         if op.crash is not None:
@@ -476,14 +477,14 @@ class RankPool:
             dead = [h.rank for h in self._handles if h.process.exitcode is not None]
             deadline = time.monotonic() + timeout if timeout else None
             # A rank that died since the last command: report it, and end the pool.
-            op = (self._begin(dead, None, what, None) if dead
-                  else self._begin(ranks, command, what, deadline))
+            op = (self._begin(dead, None, None) if dead
+                  else self._begin(ranks, command, deadline))
             interrupted = False
             try:
                 self._wait(op)
             except KeyboardInterrupt:
                 interrupted = True
-            self._finish(op, what)
+            self._finish(op)
         note = f"The pool's workers were ended: {self._ended}. " \
                "Its next use starts new ones." if not self._handles else ""
         if interrupted:
@@ -597,6 +598,7 @@ class RankPool:
                 raise RuntimeError(f"the pool is busy ({self._busy}); wait for it to finish "
                                    "or stop it (run.stop()) first.")
             self._busy = "launch"
+        server = None
         try:
             self._ensure_started()
             run = Run(getattr(fn, "__name__", "fn"), chosen, self.plan,
@@ -612,8 +614,10 @@ class RankPool:
             deadline = time.monotonic() + timeout if timeout else None
             op = self._begin(list(range(self.world_size)),
                              {"op": "launch", "payload": payload, "run": overrides},
-                             "launch", deadline, emit=run._emit)
+                             deadline, emit=run._emit)
         except BaseException:
+            if server is not None:
+                server.close()
             self._busy = None
             raise
         ranks = set(range(self.world_size))
@@ -623,7 +627,7 @@ class RankPool:
                 if server is not None:
                     server.wait_closed(ranks, 2.0)
                     server.close()
-                self._finish(op, "launch")
+                self._finish(op)
                 if not self._handles:  # the error the run raises says what became of us
                     note = (f"The pool's workers were ended: {self._ended}. Its next use "
                             "starts new ones.")
