@@ -2,6 +2,7 @@
 
     run = nbtrain.launch(train, devices=2, strategy="fsdp")
     run.results, run.history
+    pool = nbtrain.RankPool(devices=2)       # warm workers: pool.launch(...), %%ranks cells
 """
 
 from . import strategies

@@ -125,6 +125,17 @@ def test_an_interrupt_with_a_rank_stuck_in_a_collective_ends_the_pool_cleanly(po
     assert "[rank 1] fresh 1" in reply.stdout and "restarting" in reply.stderr
 
 
+def test_a_hung_collective_with_timeout_is_named(pool):
+    k = pool
+    t = time.monotonic()
+    reply = k.run("%%ranks --timeout 1\nif rank == 0:\n    dist.barrier()")
+    assert reply.ename == "RunTimeoutError"
+    assert "ranks still running: 0 (finished: 1)" in reply.error["evalue"]
+    assert time.monotonic() - t < 10
+    reply = k.run("%%ranks\nprint('fresh', rank)")  # the stuck pool was ended; it restarts
+    assert "[rank 0] fresh 0" in reply.stdout and "restarting" in reply.stderr
+
+
 def test_a_killed_rank_is_reported_by_name(pool):
     k = pool
     assert k.run("%%ranks\nkeep = 1").error is None
