@@ -68,6 +68,10 @@ def test_status_shows_each_rank_and_close_ends_everything(pool):
     assert repr(pool).endswith("closed>")
     with pytest.raises(RuntimeError, match="closed"):
         pool.run("1")
+    from nbtrain.launch.pool import active_pool
+
+    with pytest.raises(RuntimeError, match=r"no RankPool is open: start one first"):
+        active_pool()  # what %%ranks uses
 
 
 def test_names_live_across_commands_and_push_pull(pool):
