@@ -39,6 +39,7 @@ from .supervisor import Failure, Supervisor, _Worker, kill_group
 from .worker import FAILURE, RESULT_PICKLE, WorkerSpec
 
 INTERRUPT_GRACE_S = 3.0  # after SIGINT, how long busy ranks get to reply
+RESEND_S = 0.25  # SIGINT again to ranks that have not replied yet
 # After one rank failed, how long the others get to finish before they are interrupted
 # (those waiting for it in a collective never would).
 FAILED_RANK_GRACE_S = 1.0
@@ -88,6 +89,7 @@ class PoolOp(Supervisor):
         self._kill_pool = kill_pool
         self.interrupted_at: float | None = None
         self.interrupted: list[int] = []
+        self._sigint_at = 0.0
         self.killed: list[int] = []  # ranks that did not answer the interrupt
         self.died: list[int] = []  # ranks that ended before the pool ended them
         self._thread.name = "nbtrain-pool-op"
@@ -136,14 +138,22 @@ class PoolOp(Supervisor):
                 self.teardown_cause = "failure"
             if self.teardown_cause is not None:
                 self.interrupted_at = now
-                for w in self.pending():
-                    self.interrupted.append(w.handle.rank)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(w.handle.pid, signal.SIGINT)
-        elif not self.killed and self.pending() and \
-                now - self.interrupted_at >= INTERRUPT_GRACE_S:
-            self.killed = [w.handle.rank for w in self.pending()]
-            self._kill_pool()
+                self.interrupted = [w.handle.rank for w in self.pending()]
+                self._interrupt(now)
+        elif not self.killed and self.pending():
+            if now - self.interrupted_at >= INTERRUPT_GRACE_S:
+                self.killed = [w.handle.rank for w in self.pending()]
+                self._kill_pool()
+            elif now - self._sigint_at >= RESEND_S:
+                self._interrupt(now)
+
+    def _interrupt(self, now: float) -> None:
+        """SIGINT to the ranks still busy. Sent again every RESEND_S: a rank ignores it
+        between commands, so one that arrived before the rank began the command is lost."""
+        self._sigint_at = now
+        for w in self.pending():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.handle.pid, signal.SIGINT)
 
     def _read_control(self, w: _Worker) -> None:
         super()._read_control(w)
