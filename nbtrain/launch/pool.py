@@ -497,7 +497,10 @@ class RankPool:
             self._finish(op)
         note = f"The pool's workers were ended: {self._ended}. " \
                "Its next use starts new ones." if not self._handles else ""
-        if interrupted:
+        failures = {r: w.failure for r, w in op.workers.items() if w.failure}
+        if interrupted and (op.interrupted or not failures):
+            if not op.interrupted:  # every rank had replied before the interrupt
+                raise KeyboardInterrupt(note)
             raise KeyboardInterrupt(note or f"interrupted on rank(s) {op.interrupted}; "
                                     "the pool is still usable")
         if op.teardown_cause == "timeout":
@@ -508,7 +511,6 @@ class RankPool:
             err.hint = (err.hint + "\n" + note).strip()
             err.args = (err._text(),)
             raise err
-        failures = {r: w.failure for r, w in op.workers.items() if w.failure}
         if failures:
             raise _cell_error(failures, note)
         return op
