@@ -2,17 +2,26 @@
 
     run = nbtrain.launch(train, devices=2, strategy="fsdp")
     run.results, run.history
+    pool = nbtrain.RankPool(devices=2)       # warm workers: pool.launch(...), %%ranks cells
 """
 
 from . import strategies
 from .context import Context
 from .errors import RunStoppedError, RunTimeoutError, WorkerError
 from .launch import launch
+from .launch.pool import RankPool
 from .run import Run, last_run
 from .telemetry.options import Telemetry
 from .ui import StrategyPicker, compare, progress
 
-__all__ = ["Context", "Run", "RunStoppedError", "RunTimeoutError", "StrategyPicker",
-           "Telemetry", "WorkerError", "compare", "last_run", "launch", "progress",
-           "strategies"]
+__all__ = ["Context", "RankPool", "Run", "RunStoppedError", "RunTimeoutError",
+           "StrategyPicker", "Telemetry", "WorkerError", "compare", "last_run", "launch",
+           "progress", "strategies"]
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext nbtrain``: the ``%%ranks`` cell magic (see ``nbtrain.magics``)."""
+    from .magics import load_ipython_extension as load
+
+    load(ipython)

@@ -33,6 +33,7 @@ class WorkerSpec:
     resume_from: str | None = None  # launch(resume=...): the checkpoint to go on from
     seed: int = 0  # the launch's base seed; this rank starts from seed + rank (seeding.py)
     data_seed: int = 0  # ctx.dataloader's shuffle seed, the same on every rank
+    pool: bool = False  # a RankPool worker: wait for commands instead of running one function
 
     def environ(self) -> dict[str, str]:
         env = {

@@ -128,3 +128,24 @@ def test_counting_gpus_keeps_fork_safe():
     assert done.returncode == 0, done.stderr
     assert "plan: cuda" in done.stdout and "safe: None" in done.stdout
     assert "forked: fork 4.0" in done.stdout
+
+
+def test_pool_frees_a_runs_cuda_memory_before_the_next():
+    """Two runs on the same warm CUDA workers: after each, the allocator holds nothing of
+    it and its cache is emptied, and the second run's peak is its own."""
+    n = _ranks()
+    with nbtrain.RankPool(devices=n, accelerator="cuda", start_method="spawn") as pool:
+        base = pool.status
+        first = pool.launch(train, telemetry=nbtrain.Telemetry(memory_every=1))
+        after_first = pool.status
+        second = pool.launch(train, telemetry=nbtrain.Telemetry(memory_every=1))
+        after_second = pool.status
+        for rows in (after_first, after_second):
+            for row, b in zip(rows, base, strict=True):
+                assert row["cuda_allocated"] - b["cuda_allocated"] < 1 << 20, (row, b)
+                assert row["cuda_reserved"] <= b["cuda_reserved"] + (2 << 20), (row, b)
+        peaks = [run.history.events("memory", 0)[-1].values["cuda_peak"]
+                 for run in (first, second)]
+        assert peaks[1] <= peaks[0] * 1.05, peaks
+        for name, value in first.result["full"].items():
+            torch.testing.assert_close(second.result["full"][name], value)

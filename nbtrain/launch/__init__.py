@@ -100,12 +100,15 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
            data_seed=seed if seed is not None else 0)
     if view is not None:
         view.start()  # the figure is built while the workers start, never before
-    if background:
-        return run
+    return run if background else _wait_in_cell(run)
+
+
+def _wait_in_cell(run: Run, stop_timeout: float = 10.0) -> Run:
+    """Block until ``run`` ends; an interrupt stops it and says how to get it back."""
     try:
         run.wait()
     except KeyboardInterrupt:
-        run.stop(reason="interrupted")
+        run.stop(reason="interrupted", timeout=stop_timeout)
         step = run.last_step
         at = f" at step {step}" if step is not None else ""
         # A new exception, raised here: the traceback is the cell and this line, not

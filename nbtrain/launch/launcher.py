@@ -18,6 +18,7 @@ class WorkerHandle:
     control: Any  # Connection: result or failure
     out: Any  # Connection wrapping the worker's stdout pipe
     err: Any  # Connection wrapping the worker's stderr pipe
+    commands: Any = None  # RankPool workers: the write end of their command pipe
 
     @property
     def pid(self) -> int:
@@ -40,23 +41,34 @@ class Launcher(Protocol):
 
 
 def start_with_context(mp_context, spec: WorkerSpec, payload: Any) -> WorkerHandle:
-    """Start ``worker.main`` with pipes from ``mp_context`` (a fork or a spawn context)."""
-    from . import worker
+    """Start ``worker.main`` (``pool_worker.main`` for a pool's worker) with pipes from
+    ``mp_context`` (a fork or a spawn context)."""
+    from . import pool_worker, worker
 
     control_r, control_w = mp_context.Pipe(duplex=False)
     out_r, out_w = mp_context.Pipe(duplex=False)
     err_r, err_w = mp_context.Pipe(duplex=False)
-    process = mp_context.Process(target=worker.main, name=f"nbtrain-rank-{spec.rank}",
-                                 args=(spec, payload, control_w, out_w, err_w))
+    args = (spec, payload, control_w, out_w, err_w)
+    cmd_r = cmd_w = None
+    if spec.pool:  # the kernel -> worker direction, for a pool worker's commands
+        cmd_r, cmd_w = mp_context.Pipe(duplex=False)
+        args += (cmd_r,)
+    entry = pool_worker.main if spec.pool else worker.main
+    process = mp_context.Process(target=entry, name=f"nbtrain-rank-{spec.rank}", args=args)
     try:
         process.start()
+    except BaseException:
+        if cmd_w is not None:
+            cmd_w.close()
+        raise
     finally:
-        # The parent keeps only the read ends, so later workers do not inherit the
-        # write ends and end-of-file means this worker is gone.
-        for end in (control_w, out_w, err_w):
-            end.close()
+        # The parent keeps only its ends, so later workers do not inherit the worker's
+        # and end-of-file means this worker is gone.
+        for end in (control_w, out_w, err_w, cmd_r):
+            if end is not None:
+                end.close()
     try:  # the worker does the same; doing it here too closes the race
         os.setpgid(process.pid, process.pid)
     except OSError:
         pass
-    return WorkerHandle(spec.rank, process, control_r, out_r, err_r)
+    return WorkerHandle(spec.rank, process, control_r, out_r, err_r, cmd_w)

@@ -48,17 +48,8 @@ class SpawnLauncher:
                     pass
 
     def prepare(self, fn, args: tuple, kwargs: dict, strategy) -> bytes:
-        import dill
-
-        try:
-            return dill.dumps((fn, args, kwargs, strategy), recurse=True)
-        except Exception as err:
-            name = getattr(fn, "__qualname__", repr(fn))
-            raise TypeError(
-                f"cannot send {name}() and its arguments to spawned workers: {err}. Objects "
-                "that hold open resources (files, sockets, locks, CUDA tensors) cannot be "
-                "copied into a new process; create them inside the function, or use "
-                "start_method='fork'.") from err
+        return serialize(fn, args, kwargs, strategy, "spawned workers",
+                         "or use start_method='fork'")
 
     def start(self, spec: WorkerSpec, payload: Any) -> WorkerHandle:
         with SpawnLauncher._lock:
@@ -68,3 +59,18 @@ class SpawnLauncher:
                 SpawnLauncher._active += 1
                 self._counted = True
         return start_with_context(self._context, spec, payload)
+
+
+def serialize(fn, args: tuple, kwargs: dict, strategy, where: str, remedy: str) -> bytes:
+    """The function, its arguments and the strategy by value (dill, ``recurse``)."""
+    import dill
+
+    try:
+        return dill.dumps((fn, args, kwargs, strategy), recurse=True)
+    except Exception as err:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(
+            f"cannot send {name}() and its arguments to {where}: {err}. Objects "
+            "that hold open resources (files, sockets, locks, CUDA tensors) cannot be "
+            "copied into a new process; create them inside the function, "
+            f"{remedy}.") from err

@@ -2,7 +2,8 @@
 
 The parent hands the worker a ``WorkerSpec`` (plain data), the user's function (as an
 object after fork, as dill bytes after spawn) and three pipe ends: control (result or
-error, back to the kernel), stdout and stderr.
+error, back to the kernel), stdout and stderr. A ``RankPool`` worker (``spec.pool``) gets
+a fourth, the commands it waits for (``pool_worker.main``), instead of one function.
 """
 
 from __future__ import annotations
@@ -81,9 +82,37 @@ def _become_worker(spec: WorkerSpec, out_w, err_w) -> None:
 
 def _run(spec: WorkerSpec, payload: Any, control) -> None:
     os.environ.update(spec.environ())
+    message = execute(spec, payload, setup=lambda: init_distributed(spec))
+    control.send_bytes(message)
+    # No destroy_process_group(): see _exit. Every object stays alive until the process
+    # is gone, including the model (and its DDP reducer) that the context holds.
+    _exit(1 if message[:1] == FAILURE else 0)
+
+
+def init_distributed(spec: WorkerSpec) -> None:
+    """Threads and device for this rank, then the process group (through the kernel's store)."""
     import torch
     import torch.distributed as dist
 
+    if spec.num_threads is not None:
+        torch.set_num_threads(spec.num_threads)
+    if spec.accelerator == "cuda":
+        torch.cuda.set_device(spec.device_index)
+    timeout = datetime.timedelta(seconds=spec.pg_timeout_s)
+    store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size,
+                          is_master=False, timeout=timeout)
+    init = dict(backend=spec.backend, store=store, rank=spec.rank,
+                world_size=spec.world_size, timeout=timeout)
+    if spec.accelerator == "cuda":
+        init["device_id"] = torch.device("cuda", spec.device_index)
+    dist.init_process_group(**init)
+
+
+def execute(spec: WorkerSpec, payload: Any, setup=None) -> bytes:
+    """Run the user's function once with a fresh ``Context``; return the control message
+    (result or failure). Telemetry is flushed before it returns, so the kernel has every
+    event before it reads the result. ``setup`` runs after telemetry connects (the
+    process group's start, in a one-shot worker)."""
     from ..context import Context
     from ..seeding import rank_seed, seed_all
     from ..telemetry.channel import TelemetryClient
@@ -93,20 +122,10 @@ def _run(spec: WorkerSpec, payload: Any, control) -> None:
     ctx = None
     try:
         fn, args, kwargs, strategy = _load(payload)
-        if spec.num_threads is not None:
-            torch.set_num_threads(spec.num_threads)
-        if spec.accelerator == "cuda":
-            torch.cuda.set_device(spec.device_index)
         if spec.telemetry_address is not None and spec.telemetry.enabled:
             telemetry = TelemetryClient(spec.telemetry_address, spec.telemetry_token, spec.rank)
-        timeout = datetime.timedelta(seconds=spec.pg_timeout_s)
-        store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size,
-                              is_master=False, timeout=timeout)
-        init = dict(backend=spec.backend, store=store, rank=spec.rank,
-                    world_size=spec.world_size, timeout=timeout)
-        if spec.accelerator == "cuda":
-            init["device_id"] = torch.device("cuda", spec.device_index)
-        dist.init_process_group(**init)
+        if setup is not None:
+            setup()
         ctx = Context(spec, strategy, telemetry)
         if telemetry:
             telemetry.send(Lifecycle(rank=spec.rank, step=0, t=time.monotonic(),
@@ -131,10 +150,7 @@ def _run(spec: WorkerSpec, payload: Any, control) -> None:
                                      detail=json.loads(message[1:])["traceback"][-50_000:]))
     if telemetry:
         telemetry.close()  # every event is in the kernel before the result is
-    control.send_bytes(message)
-    # No destroy_process_group(): see _exit. Every object stays alive until the process
-    # is gone, including the model (and its DDP reducer) that the context holds.
-    _exit(1 if message[:1] == FAILURE else 0)
+    return message
 
 
 def _load(payload: Any):
@@ -199,9 +215,11 @@ def _unpicklable_part(obj: Any, path: str = "the result") -> str:
     return f"{path} of type {type(obj).__name__}"
 
 
-def encode_failure(exc: BaseException, rank: int) -> bytes:
+def encode_failure(exc: BaseException, rank: int, skip: tuple[str, ...] = ()) -> bytes:
+    """The failure as JSON; leading frames of nbtrain's bootstrap files (this one, and
+    ``skip``) are left out of the traceback."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, *skip):
         tb = tb.tb_next  # the user's frames only, not nbtrain's bootstrap
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     body = {"rank": rank, "type": type(exc).__name__, "module": type(exc).__module__,

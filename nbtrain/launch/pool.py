@@ -1,0 +1,535 @@
+"""``RankPool``: warm workers kept across launches and cells.
+
+The pool starts one worker per device with the ordinary launchers (fork or spawn) and a
+``WorkerSpec`` marked ``pool``; each worker joins the process group once (through a
+``TCPStore`` in the kernel that lives as long as the pool) and then waits for commands
+(``pool_worker``). Every command is one *operation*: a ``PoolOp`` thread, a
+``Supervisor`` that ends when every rank it asked has replied rather than exited, reads
+the replies and labels the output lines ``[rank N]``. ``pool.launch`` hands its
+operation to a ``Run`` as its supervisor, so a pool run is the same ``Run`` that
+``nbtrain.launch`` returns (``pool_op``).
+
+Failure stays contained where the process group survives it: an exception is a reply
+like any other; an interrupt or ``timeout=`` interrupts the busy ranks. A rank that
+does not answer (stuck in a collective) or one that died ends the whole pool, which
+says so and starts again on its next use.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import json
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from .launcher import WorkerHandle
+from .pool_op import INTERRUPT_GRACE_S, PoolOp, RankCellError, cell_error
+from .supervisor import kill_group
+from .worker import RESULT_PICKLE, WorkerSpec
+
+EXIT_GRACE_S = 2.0  # after "exit", how long before SIGKILL
+_HOST = "127.0.0.1"
+_POOLS: set[RankPool] = set()  # open pools (held: their workers live until close())
+_active: weakref.ref | None = None  # the pool %%ranks uses: the last one started
+
+
+def active_pool() -> RankPool:
+    pool = _active() if _active is not None else None
+    if pool is None or pool.closed:
+        raise RuntimeError("no RankPool is open: start one first, e.g. "
+                           "pool = nbtrain.RankPool(devices=2, accelerator='cpu').")
+    return pool
+
+
+class RankPool:
+    """Warm workers, one per device, kept across ``pool.launch`` calls and ``%%ranks`` cells.
+
+        pool = nbtrain.RankPool(devices=2, accelerator="cpu", start_method="spawn")
+        run = pool.launch(train, strategy="ddp")    # a Run, as nbtrain.launch gives
+        pool.pull("x")                               # one value per rank
+        pool.close()                                 # or: with nbtrain.RankPool(...) as pool:
+
+    Args:
+        devices, accelerator, start_method: as for ``nbtrain.launch``. The process group
+            starts once, with the pool; only the first start pays for spawn.
+        timeout: seconds a collective may wait before the process group gives up
+            (torch's process-group timeout; default 600).
+
+    After a rank dies, or ranks stuck in a collective had to be ended, the pool says so;
+    its next use starts fresh workers (names defined in ``%%ranks`` cells are lost).
+    """
+
+    def __init__(self, devices: int | str | list[int] = "auto", accelerator: str = "auto",
+                 start_method: str = "auto", timeout: float | None = None):
+        from .devices import parse_devices
+        from .guards import choose_start_method
+
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+        self.plan = parse_devices(devices, accelerator)
+        self.start_method = choose_start_method(start_method)
+        self._pg_timeout = float(timeout or 600.0)
+        self._handles: list[WorkerHandle] = []
+        self._launcher = None
+        self._store = None
+        self._lock = threading.Lock()
+        self._busy: str | None = None  # what runs now: "cell", "launch", ...
+        self._ended: str | None = None  # why the workers were ended (restart on next use)
+        self._cells = 0
+        self.closed = False
+        self.started = 0  # how many times workers were started
+        self._start()
+        global _active
+        _active = weakref.ref(self)
+        _POOLS.add(self)
+        atexit.unregister(_close_pools)
+        atexit.register(_close_pools)
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def _start(self) -> None:
+        import torch.distributed as dist
+
+        from . import LAUNCHERS
+        from .devices import threads_per_worker
+        from .guards import fork_threads
+        from .warm import warm_kernel
+
+        launcher = LAUNCHERS[self.start_method]()
+        if self.start_method == "fork":
+            warm_kernel()
+        handles: list[WorkerHandle] = []
+        store = None
+        op = None
+        try:
+            store = dist.TCPStore(_HOST, 0, self.world_size, is_master=True,
+                                  timeout=datetime.timedelta(seconds=self._pg_timeout),
+                                  wait_for_workers=False)
+            threads = threads_per_worker(self.world_size)
+            if launcher.name == "fork":
+                threads = fork_threads(threads)
+            for rank, index in enumerate(self.plan.indices):
+                spec = WorkerSpec(
+                    rank=rank, local_rank=rank, world_size=self.world_size,
+                    accelerator=self.plan.accelerator,
+                    device_index=index if self.plan.accelerator == "cuda" else None,
+                    backend=self.plan.backend, store_host=_HOST, store_port=store.port,
+                    telemetry_address=None, telemetry_token="", num_threads=threads,
+                    pg_timeout_s=self._pg_timeout, parent_pid=os.getpid(),
+                    die_with_parent=threading.current_thread() is threading.main_thread(),
+                    pool=True)
+                handles.append(launcher.start(spec, None))
+            self._handles, self._launcher, self._store = handles, launcher, store
+            op = self._begin(list(range(self.world_size)), None, None)
+            self._finish(op)
+            failures = {r: w.failure for r, w in op.workers.items() if w.failure}
+            if failures:
+                raise cell_error(failures, "the pool could not start its process group")
+        except BaseException:
+            for h in handles:
+                kill_group(h.pid, signal.SIGKILL)
+            if op is not None:  # interrupted while waiting: let the op see the exits first
+                op.done.wait(5)
+            self._end_workers(handles, launcher)
+            self._handles, self._launcher, self._store = [], None, None
+            raise
+        self._ended = None
+        self.started += 1
+
+    def _end_workers(self, handles, launcher, graceful: bool = False) -> None:
+        if graceful:
+            for h in handles:
+                if h.process.exitcode is None:
+                    with contextlib.suppress(OSError, ValueError):
+                        h.commands.send_bytes(pickle.dumps({"op": "exit"}))
+            deadline = time.monotonic() + EXIT_GRACE_S
+            for h in handles:
+                h.process.join(max(0.0, deadline - time.monotonic()))
+        for h in handles:
+            kill_group(h.pid, signal.SIGKILL)  # and whatever it started (DataLoader workers)
+            with contextlib.suppress(ValueError):  # already closed
+                h.process.join(5)
+            for conn in (h.control, h.out, h.err, h.commands):
+                if conn is not None:
+                    with contextlib.suppress(OSError):
+                        conn.close()
+            with contextlib.suppress(Exception):
+                h.process.close()
+        if launcher is not None:
+            launcher.close()
+
+    def _kill_all(self) -> None:
+        for h in self._handles:
+            kill_group(h.pid, signal.SIGKILL)
+
+    def _teardown(self, reason: str) -> None:
+        """End the workers (a rank died or stayed stuck); the next use starts new ones."""
+        self._end_workers(self._handles, self._launcher)
+        self._handles, self._launcher, self._store = [], None, None
+        self._ended = reason
+
+    def restart(self) -> None:
+        """End the workers and start new ones (fresh namespaces and process group)."""
+        self._check_open()
+        with self._claim("restart"):
+            if self._handles:
+                self._end_workers(self._handles, self._launcher, graceful=True)
+                self._handles, self._launcher, self._store = [], None, None
+            self._start()
+
+    def close(self) -> None:
+        """End every worker, the rendezvous store and the helper processes the pool made."""
+        if self.closed:
+            return
+        op = getattr(self, "_op", None)
+        if op is not None and not op.done.is_set():  # a background run: stop it first
+            op.request_stop("the pool is closing")
+            op.done.wait(INTERRUPT_GRACE_S + 5)
+        deadline = time.monotonic() + 10
+        while self._busy is not None and time.monotonic() < deadline:
+            time.sleep(0.01)  # the run's own cleanup (its listener, a teardown) finishes
+        self.closed = True
+        self._end_workers(self._handles, self._launcher, graceful=True)
+        self._handles, self._launcher, self._store = [], None, None
+        _POOLS.discard(self)
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this RankPool is closed; start a new one with "
+                               "nbtrain.RankPool(...).")
+
+    @contextlib.contextmanager
+    def _claim(self, what: str):
+        with self._lock:
+            if self._busy is not None:
+                raise RuntimeError(f"the pool is busy ({self._busy}); wait for it to finish "
+                                   "or stop it (run.stop()) first.")
+            self._busy = what
+        try:
+            yield
+        finally:
+            self._busy = None
+
+    def _ensure_started(self) -> None:
+        self._check_open()
+        if not self._handles:
+            why = self._ended or "it was ended"
+            print(f"nbtrain: restarting the pool's {self.world_size} workers ({why}); names "
+                  "defined in %%ranks cells before are gone.", file=sys.stderr)
+            self._start()
+
+    # -- operations ----------------------------------------------------------------------
+    def _begin(self, ranks: list[int], command: dict | None, deadline: float | None,
+               emit=None) -> PoolOp:
+        """Send ``command`` to ``ranks`` and start watching them (no command: wait for
+        what they send unasked, the start's READY)."""
+        handles = [self._handles[r] for r in ranks]
+        op = PoolOp(handles, emit or _writer(), deadline, self._kill_all)
+        if command is not None:
+            for h in handles:
+                try:
+                    h.commands.send_bytes(pickle.dumps(command))
+                except OSError:  # it died; the op sees its exit and reports it
+                    pass
+        self._op = op
+        op.start()
+        return op
+
+    def _finish(self, op: PoolOp) -> None:
+        """After an operation: end the pool if a rank died or stayed stuck."""
+        op.done.wait()
+        if op.crash is not None:
+            self._teardown(f"nbtrain's pool supervisor failed: {op.crash!r}")
+            return
+        if op.pool_broken:
+            dead = op.died
+            parts = []
+            if dead:
+                parts.append(", ".join(f"rank {r} died ({op.workers[r].failure.exc_type})"
+                                       if op.workers[r].failure else f"rank {r} died"
+                                       for r in dead))
+            if op.killed:
+                parts.append(f"rank{'s' if len(op.killed) > 1 else ''} "
+                             f"{', '.join(map(str, op.killed))} did not answer an interrupt "
+                             f"within {INTERRUPT_GRACE_S:g}s (stuck in a collective?)")
+            self._teardown("; ".join(parts))
+
+    def _wait(self, op: PoolOp) -> None:
+        """Wait in the cell; an interrupt interrupts the ranks (and, if stuck, the pool)."""
+        try:
+            while not op.done.wait(0.05):
+                pass
+        except KeyboardInterrupt:
+            op.request_stop("interrupted")
+            while True:  # a second interrupt does not cut the teardown short
+                try:
+                    if op.done.wait(0.05):
+                        break
+                except KeyboardInterrupt:
+                    pass
+            raise
+
+    def _ranks(self, ranks) -> list[int]:
+        if ranks is None:
+            return list(range(self.world_size))
+        if isinstance(ranks, int):
+            ranks = [ranks]
+        out = []
+        for r in ranks:
+            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.world_size:
+                raise ValueError(f"rank {r!r} is not in this pool (ranks 0..{self.world_size - 1}).")
+            if r not in out:
+                out.append(r)
+        if not out:
+            raise ValueError("give at least one rank.")
+        return out
+
+    def _command(self, ranks, command, what: str, timeout: float | None = None) -> PoolOp:
+        """Run one command on ``ranks`` in the foreground; raise what failed."""
+        self._check_open()
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+        ranks = self._ranks(ranks)
+        with self._claim(what):
+            self._ensure_started()
+            dead = [h.rank for h in self._handles if h.process.exitcode is not None]
+            deadline = time.monotonic() + timeout if timeout else None
+            # A rank that died since the last command: report it, and end the pool.
+            op = (self._begin(dead, None, None) if dead
+                  else self._begin(ranks, command, deadline))
+            interrupted = False
+            try:
+                self._wait(op)
+            except KeyboardInterrupt:
+                interrupted = True
+            self._finish(op)
+        note = f"The pool's workers were ended: {self._ended}. " \
+               "Its next use starts new ones." if not self._handles else ""
+        failures = {r: w.failure for r, w in op.workers.items() if w.failure}
+        if interrupted and (op.interrupted or not failures):
+            if not op.interrupted:  # every rank had replied before the interrupt
+                raise KeyboardInterrupt(note)
+            raise KeyboardInterrupt(note or f"interrupted on rank(s) {op.interrupted}; "
+                                    "the pool is still usable")
+        if op.teardown_cause == "timeout":
+            from ..errors import RunTimeoutError
+
+            err = RunTimeoutError(timeout, op.timed_out_ranks,
+                                  [r for r in ranks if r not in op.timed_out_ranks])
+            err.hint = (err.hint + "\n" + note).strip()
+            err.args = (err._text(),)
+            raise err
+        if failures:
+            raise cell_error(failures, note)
+        return op
+
+    def run(self, code: str, ranks: int | list[int] | None = None,
+            timeout: float | None = None) -> dict[int, str | None]:
+        """Run ``code`` on ``ranks`` (all by default), each in its own namespace kept
+        across calls (``rank``, ``world_size``, ``device``, ``dist``, ``torch`` defined).
+        Output comes back labelled ``[rank N]``. Returns each rank's repr of the value of
+        the code's last expression (None if there is none). What ``%%ranks`` calls."""
+        if not isinstance(code, str):
+            raise TypeError(f"pool.run() takes code as a string; got {type(code).__name__}.")
+        self._cells += 1
+        command = {"op": "exec", "code": code, "filename": f"<%%ranks cell {self._cells}>"}
+        op = self._command(ranks, command, "cell", timeout)
+        return {r: json.loads(w.result[1:])["repr"] for r, w in sorted(op.workers.items())}
+
+    def pull(self, name: str, ranks: int | list[int] | None = None) -> list[Any]:
+        """The value of ``name`` on each rank (tensors moved to CPU), in rank order."""
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"pull({name!r}): give the name of a variable on the ranks.")
+        op = self._command(ranks, {"op": "pull", "name": name}, "pull")
+        from ..run import _dill_loads
+
+        return [pickle.loads(w.result[1:]) if w.result[:1] == RESULT_PICKLE
+                else _dill_loads(w.result[1:]) for _, w in sorted(op.workers.items())]
+
+    def push(self, ranks: int | list[int] | None = None, **values: Any) -> None:
+        """Define names on the ranks: ``pool.push(lr=0.1, x=torch.ones(3))``."""
+        if not values:
+            raise ValueError("push(name=value, ...): give at least one name.")
+        import dill
+
+        try:
+            data = dill.dumps(values, recurse=True)
+        except Exception as err:
+            raise TypeError(f"cannot send {sorted(values)} to the ranks: {err}. Send plain "
+                            "data (numbers, tensors on CPU, lists, dicts).") from err
+        self._command(ranks, {"op": "push", "values": data}, "push")
+
+    @property
+    def status(self) -> PoolStatus:
+        """Each rank: pid, alive, busy, and memory (live tensor bytes, RSS; on CUDA the
+        allocator's allocated and reserved bytes). Memory is asked of idle ranks only."""
+        self._check_open()
+        rows = []
+        memory: dict[int, dict] = {}
+        busy = self._busy
+        if busy is None and self._handles and \
+                all(h.process.exitcode is None for h in self._handles):
+            with contextlib.suppress(Exception):
+                op = self._command(None, {"op": "memory"}, "status")
+                memory = {r: json.loads(w.result[1:]) for r, w in op.workers.items()}
+        for rank in range(self.world_size):
+            h = self._handles[rank] if self._handles else None
+            alive = h is not None and h.process.exitcode is None
+            rows.append({"rank": rank, "pid": h.pid if h else None, "alive": alive,
+                         "busy": bool(busy) and alive, **memory.get(rank, {})})
+        return PoolStatus(rows, self._ended, busy)
+
+    def launch(self, fn: Callable[..., Any], *args: Any, strategy="ddp",
+               background: bool = False, timeout: float | None = None,
+               telemetry=True, sinks=(), dashboard: bool | str = "auto",
+               resume=None, seed: int | None = None, **kwargs: Any):
+        """Run ``fn(ctx, *args, **kwargs)`` on the warm workers; returns a ``Run`` exactly
+        as ``nbtrain.launch`` does (same arguments, except that devices, accelerator and
+        start method are the pool's). What the run made is freed on every rank when it
+        ends (on CUDA the allocator's cache is emptied too)."""
+        from .. import seeding, strategies
+        from ..run import DASHBOARDS, Run
+        from ..telemetry.channel import TelemetryServer
+        from ..telemetry.options import Telemetry
+        from . import _resume_path, _wait_in_cell
+        from .spawn import serialize
+
+        self._check_open()
+        if not callable(fn):
+            raise TypeError(f"pool.launch() takes the function to run first; got "
+                            f"{type(fn).__name__}.")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+        if dashboard not in DASHBOARDS:
+            raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, False, "
+                             "or force one view: 'widget', 'static' or 'text'.")
+        resume = _resume_path(resume)
+        base_seed = seeding.base_seed(seed)
+        options = Telemetry.from_arg(telemetry)
+        chosen = strategies.get(strategy)
+        chosen.check(self.plan)
+        if chosen.start_method and chosen.start_method != self.start_method:
+            raise ValueError(f"strategy {chosen.name!r} means start_method="
+                             f"{chosen.start_method!r}, but this pool's workers were started "
+                             f"by {self.start_method}. Use strategy='ddp' (the same DDP), or "
+                             f"a pool with start_method={chosen.start_method!r}.")
+        payload = serialize(fn, args, kwargs, chosen, "the pool's workers",
+                            "or pass it as an argument")
+        with self._lock:
+            if self._busy is not None:
+                raise RuntimeError(f"the pool is busy ({self._busy}); wait for it to finish "
+                                   "or stop it (run.stop()) first.")
+            self._busy = "launch"
+        server = None
+        try:
+            self._ensure_started()
+            run = Run(getattr(fn, "__name__", "fn"), chosen, self.plan,
+                      f"{self.start_method} pool", timeout, sinks, seed=base_seed)
+            view = None
+            if dashboard is not False and options.enabled:
+                view = run.attach_view(dashboard)
+            server = TelemetryServer(run._on_event, host=_HOST) if options.enabled else None
+            overrides = {"telemetry_address": server.address if server else None,
+                         "telemetry_token": server.token if server else "",
+                         "telemetry": options, "resume_from": resume, "seed": base_seed,
+                         "data_seed": seed if seed is not None else 0}
+            deadline = time.monotonic() + timeout if timeout else None
+            op = self._begin(list(range(self.world_size)),
+                             {"op": "launch", "payload": payload, "run": overrides},
+                             deadline, emit=run._emit)
+        except BaseException:
+            if server is not None:
+                server.close()
+            self._busy = None
+            raise
+        ranks = set(range(self.world_size))
+
+        def after() -> None:
+            try:
+                if server is not None:
+                    server.wait_closed(ranks, 2.0)
+                    server.close()
+                self._finish(op)
+                if not self._handles:  # the error the run raises says what became of us
+                    note = (f"The pool's workers were ended: {self._ended}. Its next use "
+                            "starts new ones.")
+                    for f in op.failures:
+                        f.hint = (f.hint + "\n" + note).strip()
+            finally:
+                self._busy = None
+
+        run._attach(op, [after])
+        if view is not None:
+            view.start()  # the figure is built while the ranks work, never before
+        return run if background else _wait_in_cell(run, INTERRUPT_GRACE_S + 10)
+
+    def __repr__(self) -> str:
+        state = ("closed" if self.closed else f"ended ({self._ended})" if self._ended
+                 else self._busy or "idle")
+        return (f"<RankPool {self.world_size}×{self.plan.accelerator} "
+                f"start={self.start_method}: {state}>")
+
+
+class PoolStatus(list):
+    """``pool.status``: one dict per rank; prints as a table."""
+
+    def __init__(self, rows: list[dict], ended: str | None, busy: str | None):
+        super().__init__(rows)
+        self.ended = ended
+        self.busy = busy
+
+    def __repr__(self) -> str:
+        lines = []
+        if self.ended:
+            lines.append(f"workers ended: {self.ended} (the next use restarts them)")
+        lines.append(f"{'rank':>4} {'pid':>8} {'alive':>5} {'busy':>5} {'tensors':>10} "
+                     f"{'rss':>10} {'cuda alloc':>10} {'cuda resv':>10}")
+        for row in self:
+            lines.append(f"{row['rank']:>4} {row['pid'] or '-':>8} {str(row['alive']):>5} "
+                         f"{str(row['busy']):>5} {_mb(row.get('tensor_bytes')):>10} "
+                         f"{_mb(row.get('rss_bytes')):>10} {_mb(row.get('cuda_allocated')):>10} "
+                         f"{_mb(row.get('cuda_reserved')):>10}")
+        return "\n".join(lines)
+
+
+def _mb(n) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MB"
+
+
+def _writer():
+    streams = {"out": sys.stdout, "err": sys.stderr}
+
+    def emit(rank: int, stream: str, line: str) -> None:
+        try:
+            streams[stream].write(f"[rank {rank}] {line}\n")
+            streams[stream].flush()
+        except Exception:
+            pass
+
+    return emit
+
+def _close_pools() -> None:
+    for pool in list(_POOLS):
+        with contextlib.suppress(Exception):
+            pool.close()
+
+
+__all__ = ["RankCellError", "RankPool", "active_pool"]

@@ -1,0 +1,210 @@
+"""One command on a ``RankPool``'s ranks, watched from a kernel thread: ``PoolOp``, a
+``Supervisor`` that ends when every rank it asked has replied instead of exited, and
+the error a failed cell raises (``RankCellError``).
+
+Teardown differs from a one-shot run's. A failure, a stop (an interrupt) or the
+deadline first sends SIGINT to the ranks still busy, again every ``RESEND_S``; only
+ranks that do not answer within ``INTERRUPT_GRACE_S`` (stuck in a collective, whose
+native wait holds off Python's signal handlers) get the whole pool ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import signal
+import time
+from collections.abc import Callable
+
+from ..errors import WorkerError
+from .launcher import WorkerHandle
+from .supervisor import Failure, Supervisor, _Worker, kill_group
+
+INTERRUPT_GRACE_S = 3.0  # after SIGINT, how long busy ranks get to reply
+RESEND_S = 0.25  # SIGINT again to ranks that have not replied yet
+# After one rank failed, how long the others get to finish before they are interrupted
+# (those waiting for it in a collective never would).
+FAILED_RANK_GRACE_S = 1.0
+
+
+class RankCellError(WorkerError):
+    """A ``%%ranks`` cell (or a pull/push) failed on one or more ranks.
+
+    ``failures`` maps each failing rank to its ``(type, message, traceback)``."""
+
+    def __init__(self, failures: dict[int, tuple[str, str, str]], note: str = ""):
+        self.failures = dict(failures)
+        first = min(failures)
+        exc_type, message, _ = failures[first]
+        tracebacks = "\n".join(_label(tb or f"{t}: {m}\n", r)
+                               for r, (t, m, tb) in sorted(failures.items()))
+        others = [f"rank {r}: also failed with {t}: {_first_line(m)}"
+                  for r, (t, m, _) in sorted(failures.items()) if r != first]
+        super().__init__(first, exc_type, message, tracebacks, others, note)
+
+    def __reduce__(self):
+        return (type(self), (self.failures, self.hint))
+
+
+class PoolOp(Supervisor):
+    """One command on some of the pool's ranks, watched until each of them replied.
+
+    Teardown differs from a one-shot run's: a failure, a stop or the deadline first
+    interrupts the ranks still busy, and only ranks that do not answer within
+    ``INTERRUPT_GRACE_S`` get the whole pool ended (``kill_pool``)."""
+
+    def __init__(self, handles: list[WorkerHandle], emit, deadline: float | None,
+                 kill_pool: Callable[[], None]):
+        super().__init__(handles, emit, deadline)
+        self._kill_pool = kill_pool
+        self.interrupted_at: float | None = None
+        self.interrupted: list[int] = []
+        self._sigint_at = 0.0
+        self.killed: list[int] = []  # ranks that did not answer the interrupt
+        self.died: list[int] = []  # ranks that ended before the pool ended them
+        self._thread.name = "nbtrain-pool-op"
+
+    def pending(self) -> list[_Worker]:
+        return [w for w in self.workers.values()
+                if w.exitcode is None and w.result is None and w.failure is None]
+
+    @property
+    def pool_broken(self) -> bool:
+        return bool(self.killed) or any(w.exitcode is not None for w in self.workers.values())
+
+    def _loop(self) -> None:
+        sel = self._sel
+        sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+        for w in self.workers.values():
+            h = w.handle
+            sel.register(h.process.sentinel, selectors.EVENT_READ, ("exit", w))
+            sel.register(h.control, selectors.EVENT_READ, ("control", w))
+            for stream, conn in (("out", h.out), ("err", h.err)):
+                os.set_blocking(conn.fileno(), False)
+                sel.register(conn, selectors.EVENT_READ, (stream, w))
+        while True:
+            if self.killed:
+                if all(w.exitcode is not None for w in self.workers.values()):
+                    break
+            elif not self.pending():
+                break
+            now = time.monotonic()
+            self._advance(now)
+            timeout = 0.05 if (self.teardown_cause or self.failures) else 0.5
+            if self.deadline is not None and self.teardown_cause is None:
+                timeout = max(0.0, min(timeout, self.deadline - now))
+            for key, _ in sel.select(timeout):
+                self._handle(*key.data)
+        self._drain_output()
+
+    def _advance(self, now: float) -> None:
+        if self.teardown_cause is None:
+            if self._stop_requested:
+                self.teardown_cause, self.stop_reason = "stop", self._stop_requested
+            elif self.deadline is not None and now >= self.deadline:
+                self.teardown_cause = "timeout"
+                self.timed_out_ranks = [w.handle.rank for w in self.pending()]
+            elif self.failures and now - self.failures[0].t >= FAILED_RANK_GRACE_S:
+                self.teardown_cause = "failure"
+            if self.teardown_cause is not None:
+                self.interrupted_at = now
+                self.interrupted = [w.handle.rank for w in self.pending()]
+                self._interrupt(now)
+        elif not self.killed and self.pending():
+            if now - self.interrupted_at >= INTERRUPT_GRACE_S:
+                self.killed = [w.handle.rank for w in self.pending()]
+                self._kill_pool()
+            elif now - self._sigint_at >= RESEND_S:
+                self._interrupt(now)
+
+    def _interrupt(self, now: float) -> None:
+        """SIGINT to the ranks still busy. Sent again every RESEND_S: a rank ignores it
+        between commands, so one that arrived before the rank began the command is lost."""
+        self._sigint_at = now
+        for w in self.pending():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.handle.pid, signal.SIGINT)
+
+    def _read_control(self, w: _Worker) -> None:
+        super()._read_control(w)
+        f = w.failure
+        if f is not None and w.handle.rank in self.interrupted and \
+                f.exc_type == "KeyboardInterrupt":
+            f.secondary = True  # we interrupted it: not the cause
+
+    def _on_exit(self, w: _Worker) -> None:
+        h = w.handle
+        if w.exitcode is not None:
+            return
+        self._forget(h.process.sentinel)
+        kill_group(h.pid, signal.SIGKILL)
+        h.process.join(timeout=5)
+        w.exitcode = h.process.exitcode if h.process.exitcode is not None else -signal.SIGKILL
+        while w.control_open and _poll(h.control):
+            self._read_control(w)
+        if self.killed:
+            return  # we ended it
+        self.died.append(h.rank)
+        if w.failure is None:
+            w.failure = _death(h.rank, w.exitcode)
+
+    def _drain_output(self) -> None:
+        """What is in the pipes now: a worker flushes its output before it replies, so
+        the lines of this command are there (the pipes stay open for the next one)."""
+        for w in self.workers.values():
+            for stream in ("out", "err"):
+                while _readable(w, stream) and self._read_output(w, stream):
+                    pass
+                if w.partial[stream]:
+                    self._emit(w.handle.rank, stream, w.partial[stream])
+                    w.partial[stream] = ""
+
+    def _cleanup(self) -> None:  # the pool owns the workers and their pipes
+        self._sel.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _death(rank: int, exitcode: int) -> Failure:
+    from ..errors import signal_hint, signal_name
+
+    if exitcode < 0:
+        sig = -exitcode
+        return Failure(rank, signal_name(sig),
+                       f"rank {rank} was killed by {signal_name(sig)} (signal {sig}) "
+                       "without a Python traceback", "", time.monotonic(),
+                       hint=signal_hint(sig))
+    return Failure(rank, "WorkerExit", f"rank {rank} exited with code {exitcode} "
+                   "(os._exit() or a crash in native code?)", "", time.monotonic())
+
+
+def _readable(w: _Worker, stream: str) -> bool:
+    conn = w.handle.out if stream == "out" else w.handle.err
+    try:
+        return bool(selectors.select.select([conn.fileno()], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False
+
+
+def _poll(conn) -> bool:
+    try:
+        return conn.poll()
+    except (OSError, EOFError):
+        return False
+
+
+def _label(text: str, rank: int) -> str:
+    return "\n".join(f"[rank {rank}] {line}" for line in text.rstrip().splitlines())
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
+def cell_error(failures: dict[int, Failure], note: str) -> RankCellError:
+    hints = {f.hint for f in failures.values() if f.hint}
+    return RankCellError({r: (f.exc_type, f.message, f.traceback)
+                          for r, f in sorted(failures.items())},
+                         "\n".join([*sorted(hints), note]).strip())

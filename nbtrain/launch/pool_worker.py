@@ -1,0 +1,213 @@
+"""The command loop of a ``RankPool`` worker: started once, it keeps its process group and
+a namespace, and runs what the kernel sends until told to exit.
+
+Commands come on a pipe only the kernel writes (a pickled dict, kernel -> worker); every
+command gets exactly one reply on the control pipe, in the one-shot worker's format
+(``worker.RESULT_*`` / ``worker.FAILURE``) or one of the tags below:
+
+- ``exec``: a ``%%ranks`` cell's code; the value of its last expression comes back as text
+  (``VALUE`` + JSON), as a REPL would show it.
+- ``launch``: a training function (dill bytes) run with a fresh ``Context`` and a per-run
+  telemetry connection, exactly as ``worker.execute`` runs it in a one-shot worker; then
+  what it made is freed (``free``), so the next run's memory starts clean.
+- ``pull`` / ``push``: a name of the namespace, out (tensors on CPU) or in (dill bytes).
+- ``memory``: what this rank holds now (``MEMORY`` + JSON).
+- ``exit``.
+
+An interrupt is a SIGINT from the kernel to this process only; it raises
+KeyboardInterrupt in the user's code while a command runs and is ignored otherwise.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import dataclasses
+import gc
+import json
+import linecache
+import os
+import pickle
+import signal
+import sys
+import traceback
+from typing import Any
+
+from .worker import (
+    FAILURE,
+    WorkerSpec,
+    _become_worker,
+    _exit,
+    encode_failure,
+    encode_result,
+    execute,
+    init_distributed,
+)
+
+READY = b"R"  # the process group is up
+VALUE = b"V"  # JSON {"repr": str | None}
+MEMORY = b"M"  # JSON, see memory()
+MAX_REPR = 20_000  # characters of a last expression's repr sent back
+
+
+class _State:
+    busy = False  # a command's user code is running: SIGINT raises KeyboardInterrupt
+
+
+def main(spec: WorkerSpec, payload: Any, control, out_w, err_w, commands) -> None:
+    """Entry point of a pool worker process (``payload`` is unused: functions come as
+    commands). Never returns: the process exits here."""
+    _become_worker(spec, out_w, err_w)
+    try:
+        serve(spec, commands, control)  # exits the process itself
+    except BaseException:  # the reporting itself failed; say so on stderr
+        traceback.print_exc()
+    _exit(1)
+
+
+def serve(spec: WorkerSpec, commands, control) -> None:
+    os.environ.update(spec.environ())
+    try:
+        init_distributed(spec)
+    except BaseException as exc:
+        control.send_bytes(encode_failure(exc, spec.rank, (__file__,)))
+        _exit(1)
+    import torch
+    import torch.distributed as dist
+
+    device = (torch.device("cuda", spec.device_index) if spec.accelerator == "cuda"
+              else torch.device("cpu"))
+    namespace: dict[str, Any] = {
+        "__name__": "__main__", "__builtins__": builtins, "rank": spec.rank,
+        "world_size": spec.world_size, "device": device, "dist": dist, "torch": torch}
+
+    def on_sigint(signum, frame):
+        if _State.busy:
+            _State.busy = False  # one interrupt, one KeyboardInterrupt
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    control.send_bytes(READY)
+    while True:
+        _State.busy = False
+        try:
+            command = pickle.loads(commands.recv_bytes())
+        except (EOFError, OSError):  # the kernel closed the pool, or is gone
+            _exit(0)
+        if command["op"] == "exit":
+            _exit(0)
+        try:
+            reply = _handle(spec, command, namespace)
+        except BaseException as exc:  # an interrupt that landed between two lines of ours
+            reply = encode_failure(exc, spec.rank, (__file__,))
+        _State.busy = False
+        for stream in (sys.stdout, sys.stderr):  # output before the reply that ends it
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        control.send_bytes(reply)
+        if command["op"] == "launch":
+            free(spec)
+
+
+def _handle(spec: WorkerSpec, command: dict, namespace: dict) -> bytes:
+    op = command["op"]
+    try:
+        if op == "exec":
+            return VALUE + json.dumps({"repr": run_cell(command["code"], command["filename"],
+                                                        namespace)}).encode()
+        if op == "launch":
+            run_spec = dataclasses.replace(spec, **command["run"])
+            if spec.accelerator == "cuda":  # this run's peak, not a cell's before it
+                import torch
+
+                torch.cuda.reset_peak_memory_stats()
+            _State.busy = True
+            return execute(run_spec, command["payload"])
+        if op == "pull":
+            name = command["name"]
+            if name not in namespace:
+                raise NameError(f"name {name!r} is not defined on rank {spec.rank}")
+            return encode_result(namespace[name], spec.rank)
+        if op == "push":
+            import dill
+
+            namespace.update(dill.loads(command["values"]))
+            return VALUE + b'{"repr": null}'
+        if op == "memory":
+            return MEMORY + json.dumps(memory(spec)).encode()
+        raise ValueError(f"unknown pool command {op!r}")
+    except BaseException as exc:
+        return encode_failure(exc, spec.rank, (__file__,))
+
+
+def run_cell(code: str, filename: str, namespace: dict) -> str | None:
+    """Run ``code`` as a REPL does: every statement, then the value of a trailing
+    expression (its repr, or None when there is none or it is None)."""
+    tree = ast.parse(code, filename)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    # Tracebacks show the cell's lines.
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    _State.busy = True
+    exec(compile(tree, filename, "exec"), namespace)
+    value = eval(compile(last, filename, "eval"), namespace) if last is not None else None
+    _State.busy = False
+    if value is None:
+        return None
+    namespace["_"] = value
+    text = repr(value)
+    return text if len(text) <= MAX_REPR else text[:MAX_REPR] + " ..."
+
+
+def free(spec: WorkerSpec) -> None:
+    """After a run: collect what it made (models, optimizers, their state) and, on CUDA,
+    give the cached blocks back, so the next run's memory figures start from zero."""
+    gc.collect()
+    if spec.accelerator == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def memory(spec: WorkerSpec) -> dict[str, int]:
+    """Bytes held by live tensors (each storage once), the process's RSS, and on CUDA the
+    allocator's figures."""
+    import torch
+
+    gc.collect()
+    seen: set[tuple[str, int]] = set()
+    held = 0
+    for obj in gc.get_objects():
+        # type(), not isinstance(): that reads __class__, which wakes lazy module
+        # attributes (and their deprecation warnings).
+        if not issubclass(type(obj), torch.Tensor) or obj.is_meta:
+            continue
+        try:
+            storage = obj.untyped_storage()
+        except Exception:  # wrapper subclasses (DTensor) hold their local tensor too
+            continue
+        key = (str(storage.device), storage.data_ptr())
+        if key not in seen and storage.data_ptr():
+            seen.add(key)
+            held += storage.nbytes()
+    out = {"tensor_bytes": held, "rss_bytes": _rss()}
+    if spec.accelerator == "cuda":
+        out["cuda_allocated"] = torch.cuda.memory_allocated()
+        out["cuda_reserved"] = torch.cuda.memory_reserved()
+    return out
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+__all__ = ["FAILURE", "MEMORY", "READY", "VALUE", "serve"]

@@ -1,0 +1,245 @@
+"""RankPool in this process: warm workers on 2 CPU ranks, kept across commands and runs.
+
+Every test starts its own pool and checks (``no_leftovers``) that closing it, or its
+teardown after a failure, leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+from workloads import fail_on, sleeper, train
+
+import nbtrain
+from nbtrain.launch.pool import RankCellError
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+
+@pytest.fixture
+def pool():
+    p = nbtrain.RankPool(devices=2, accelerator="cpu", start_method="fork")
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_pool_launch_twice_gives_what_launch_gives(pool):
+    expected = nbtrain.launch(train, devices=2, start_method="fork", dashboard=False).results
+    pids = [row["pid"] for row in pool.status]
+    for _ in range(2):
+        run = pool.launch(train, dashboard=False)
+        assert isinstance(run, nbtrain.Run) and run.status == "done"
+        for got, want in zip(run.results, expected, strict=True):
+            assert got["loss"] == want["loss"] and got["rank"] == want["rank"]
+            for k, v in want["full"].items():
+                assert torch.equal(got["full"][k], v), k
+        assert run.history.metric("loss", rank=0), "the run's telemetry reached its history"
+    assert [row["pid"] for row in pool.status] == pids, "the same workers ran both"
+    assert pool.started == 1
+
+
+def test_spawn_pool_starts_once_and_runs_cell_defined_code():
+    with nbtrain.RankPool(devices=2, accelerator="cpu", start_method="spawn") as pool:
+        assert pool.start_method == "spawn"
+        first = pool.launch(fail_on, "none", dashboard=False)
+        second = pool.launch(fail_on, "none", dashboard=False)
+        assert first.results == second.results == [0, 1]
+        assert "spawn" in second.start_method
+        assert pool.started == 1
+
+
+def test_status_shows_each_rank_and_close_ends_everything(pool):
+    rows = pool.status
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert all(r["alive"] and not r["busy"] for r in rows)
+    assert all(r["rss_bytes"] > 0 and "tensor_bytes" in r for r in rows)
+    assert "rank" in repr(rows) and "MB" in repr(rows)
+    pids = [r["pid"] for r in rows]
+    pool.close()
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                   for p in pids)
+    assert repr(pool).endswith("closed>")
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.run("1")
+    from nbtrain.launch.pool import active_pool
+
+    with pytest.raises(RuntimeError, match=r"no RankPool is open: start one first"):
+        active_pool()  # what %%ranks uses
+
+
+def test_names_live_across_commands_and_push_pull(pool):
+    assert pool.run("x = torch.tensor([float(rank + 1)])\ndist.all_reduce(x)\nx * rank") == \
+        {0: "tensor([0.])", 1: "tensor([3.])"}
+    assert pool.run("x.item()", ranks=[1]) == {1: "3.0"}
+    assert pool.run("y = 1") == {0: None, 1: None}
+    pool.push(w=torch.arange(3))
+    got = pool.pull("w")
+    assert len(got) == 2 and all(torch.equal(t, torch.arange(3)) for t in got)
+    assert pool.pull("rank") == [0, 1]
+    with pytest.raises(RankCellError, match="name 'nope' is not defined"):
+        pool.pull("nope")
+
+
+def test_an_exception_reports_every_failing_rank_and_the_pool_goes_on(pool):
+    pool.run("keep = rank * 10")
+    with pytest.raises(RankCellError) as info:
+        pool.run("print('before', rank)\nraise ValueError(f'bad on {rank}')")
+    err = info.value
+    assert isinstance(err, nbtrain.WorkerError)
+    assert sorted(err.failures) == [0, 1]
+    assert "[rank 0] ValueError: bad on 0" in str(err)
+    assert "[rank 1] ValueError: bad on 1" in str(err)
+    assert "<%%ranks cell" in err.traceback and "raise ValueError" in err.traceback
+    assert pool.run("keep") == {0: "0", 1: "10"}  # same workers, same names
+    assert pool.started == 1
+
+
+def test_memory_of_a_run_is_freed_on_every_rank(pool):
+    before = [r["tensor_bytes"] for r in pool.status]
+    pool.run("big = torch.zeros(1 << 20)")  # a name the user keeps: 4 MiB, not freed
+    held = [r["tensor_bytes"] for r in pool.status]
+    assert all(h - b >= 4 << 20 for h, b in zip(held, before, strict=True))
+    pool.run("del big")
+    pool.launch(train, dashboard=False)
+    after = [r["tensor_bytes"] for r in pool.status]
+    assert all(a - b < 64 << 10 for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def test_a_timeout_names_the_rank_stuck_in_a_collective_and_the_pool_restarts(pool):
+    t = time.monotonic()
+    with pytest.raises(nbtrain.RunTimeoutError) as info:
+        pool.run("if rank == 0:\n    dist.barrier()", timeout=1)
+    assert info.value.ranks == [0]
+    assert time.monotonic() - t < 15
+    assert "workers were ended" in str(info.value)
+    assert pool.status.ended and not any(r["alive"] for r in pool.status)
+    assert pool.run("rank") == {0: "0", 1: "1"}  # started again
+    assert pool.started == 2
+
+
+def test_a_busy_cell_is_interrupted_and_the_pool_stays(pool):
+    pool.run("keep = 5")
+    box = {}
+    before = pool._op
+
+    def cell():
+        box["thread"] = threading.get_ident()
+        try:
+            pool.run("import time\nwhile True:\n    time.sleep(0.05)")
+        except BaseException as err:
+            box["err"] = err
+
+    # The cell waits in a thread here; stop it the way an interrupt in the kernel does.
+    th = threading.Thread(target=cell)
+    th.start()
+    deadline = time.monotonic() + 10
+    while pool._op is before:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    t = time.monotonic()
+    pool._op.request_stop("interrupted")
+    th.join(10)
+    assert time.monotonic() - t < 3
+    assert isinstance(box["err"], RankCellError)
+    assert box["err"].exc_type == "KeyboardInterrupt"
+    assert pool.run("keep") == {0: "5", 1: "5"} and pool.started == 1
+
+
+def test_a_killed_rank_is_reported_by_name_and_the_pool_starts_again(pool):
+    pool.run("keep = 1")
+    victim = pool.status[1]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(nbtrain.WorkerError) as info:
+        pool.run("print(rank)")
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "SIGKILL"
+    assert "rank 1 was killed by SIGKILL" in str(err)
+    assert "workers were ended" in str(err) and "next use starts new ones" in str(err)
+    assert pool.status.ended
+    assert pool.run("rank") == {0: "0", 1: "1"}
+    with pytest.raises(RankCellError, match="'keep' is not defined"):
+        pool.run("keep")
+
+
+def test_a_failing_launch_raises_worker_error_and_the_next_launch_works(pool):
+    with pytest.raises(nbtrain.WorkerError) as info:
+        pool.launch(fail_on, "raise", dashboard=False)
+    assert info.value.rank == 1 and info.value.exc_type == "ValueError"
+    # rank 0 waited in an all-reduce for rank 1: the pool had to be ended, and says so
+    assert "workers were ended" in str(info.value)
+    assert pool.launch(fail_on, "none", dashboard=False).results == [0, 1]
+
+
+def test_a_background_launch_can_be_stopped_and_the_pool_goes_on(pool):
+    run = pool.launch(sleeper, background=True, dashboard=False)
+    with pytest.raises(RuntimeError, match="busy"):
+        pool.run("1")
+    deadline = time.monotonic() + 20
+    while run.status != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    t = time.monotonic()
+    run.stop()
+    assert time.monotonic() - t < 3.5
+    assert run.status == "stopped"
+    assert pool.run("rank") == {0: "0", 1: "1"} and pool.started == 1
+
+
+def test_a_rank_killed_during_a_launch_is_named_and_the_pool_starts_again(pool):
+    with pytest.raises(nbtrain.WorkerError) as info:
+        pool.launch(fail_on, "sigkill", dashboard=False)
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "SIGKILL" and "out-of-memory" in str(err)
+    assert "workers were ended: rank 1 died (SIGKILL)" in str(err)
+    assert pool.launch(fail_on, "none", dashboard=False).results == [0, 1]
+    assert pool.started == 2
+
+
+def test_a_strategy_that_means_another_start_method_is_refused(pool):
+    with pytest.raises(ValueError, match="means start_method='spawn'"):
+        pool.launch(fail_on, "none", strategy="ddp_spawn")
+    assert pool.launch(fail_on, "none", strategy="ddp_notebook",
+                       dashboard=False).results == [0, 1]
+
+
+def test_ranks_line_and_per_rank_display():
+    from nbtrain.magics import PerRank, parse_line
+
+    assert parse_line("") == (None, None)
+    assert parse_line("all") == (None, None)
+    assert parse_line("0,1") == ([0, 1], None)
+    assert parse_line("1 --timeout 2.5") == ([1], 2.5)
+    assert parse_line("--timeout=3") == (None, 3.0)
+    for bad in ("x", "0 1", "--timeout", "--timeout soon"):
+        with pytest.raises(ValueError, match="usage"):
+            parse_line(bad)
+    shown = repr(PerRank({0: "a\nb", 1: None, 2: "c"}))
+    assert shown == "[rank 0] a\n         b\n[rank 2] c"
+
+
+def test_import_nbtrain_does_not_import_ipython():
+    """Workers import nbtrain; only %load_ext nbtrain brings in IPython (nbtrain.magics)."""
+    import subprocess
+    import sys
+
+    code = "import sys, nbtrain; print('IPython' in sys.modules, 'nbtrain.magics' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "False False", done.stderr
+
+
+def test_closing_the_pool_stops_its_background_run(pool):
+    run = pool.launch(sleeper, background=True, dashboard=False)
+    deadline = time.monotonic() + 20
+    while run.status != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    pool.close()
+    assert run.done and run.status == "stopped"
+    assert pool.closed
