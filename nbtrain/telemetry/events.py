@@ -8,7 +8,7 @@ schema version ``v`` and its ``kind``; the kernel never unpickles what a worker 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 SCHEMA_VERSION = 1
@@ -88,9 +88,13 @@ EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (Metric, Step, Memory, Comm, Lifecycle, Output)}
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=True)
+
+
 def encode(event: Event) -> bytes:
-    body = {"v": SCHEMA_VERSION, "kind": event.kind, **asdict(event)}
-    return json.dumps(body, separators=(",", ":"), allow_nan=True).encode()
+    # vars(), not dataclasses.asdict: the fields are flat (numbers, strings, dicts of
+    # numbers), and asdict's deep copy was most of a worker's ~12 µs per event.
+    return _JSON.encode({"v": SCHEMA_VERSION, "kind": event.kind, **vars(event)}).encode()
 
 
 def decode(data: bytes) -> Event | None:
