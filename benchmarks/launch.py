@@ -164,12 +164,17 @@ def contenders() -> dict[str, str]:
     return found
 
 
-def measure(kernel: Kernel, fail: bool) -> float:
-    reply = kernel.run(f"print(json.dumps(measure({fail})))", timeout=300)
+def value(kernel: Kernel, expr: str, timeout: float = 300):
+    """``expr`` evaluated in ``kernel``, through JSON."""
+    reply = kernel.run(f"print(json.dumps({expr}))", timeout=timeout)
     if reply.error:
         raise RuntimeError(f"{reply.error['ename']}: {reply.error['evalue']}\n"
                            + "\n".join(reply.error["traceback"]))
     return json.loads(reply.stdout.strip().splitlines()[-1])
+
+
+def measure(kernel: Kernel, fail: bool) -> float:
+    return value(kernel, f"measure({fail})")
 
 
 def main() -> None:

@@ -19,7 +19,6 @@ a 0.92M-parameter MLP with AdamW, nbtrain's defaults on (telemetry and dashboard
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,55 +28,18 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from kernel import Kernel  # noqa: E402  (the tests' jupyter_client driver)
+from launch import COMMON, NBTRAIN, value  # noqa: E402  (the same workload, cell by cell)
 
-SETUP = """
-import json, os, tempfile, time, warnings
-import torch
-from torch import nn
-import nbtrain
-warnings.filterwarnings("ignore")
-STAMP = os.path.join(tempfile.gettempdir(), f"nbtrain-pool-bench-{os.getpid()}.txt")
-
-def stamp():
-    with open(STAMP, "w") as f:
-        f.write(repr(time.monotonic()))
-
-def since(t):
-    with open(STAMP) as f:
-        return float(f.read()) - t
-
-def make_model():  # 0.92M parameters
-    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(),
-                         nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
-
-def make_data():
-    g = torch.Generator().manual_seed(0)
-    return torch.utils.data.TensorDataset(torch.randn(512, 256, generator=g),
-                                          torch.randint(0, 10, (512,), generator=g))
-
-def train(ctx):
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = ctx.setup(model, opt)
-    for x, y in ctx.dataloader(make_data(), batch_size=64, shuffle=True):
-        if ctx.rank == 0:
-            stamp()
-        loss = nn.functional.cross_entropy(model(x), y)
-        ctx.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        ctx.log(loss=loss)
-        break
-    return loss.item()
-
+# The workload of benchmarks/launch.py, cell for cell: train(ctx, fail) and its helpers.
+SETUP = COMMON + NBTRAIN.split("def measure(fail):")[0] + """
 def cold(method):
     t = time.monotonic()
-    nbtrain.launch(train, devices=2, accelerator="cpu", start_method=method)
+    nbtrain.launch(train, False, devices=2, accelerator="cpu", start_method=method)
     return since(t)
 
 def pooled():
     t = time.monotonic()
-    pool.launch(train)
+    pool.launch(train, False)
     return since(t)
 
 def cell():
@@ -88,14 +50,6 @@ def cell():
 def tensors():
     return [row["tensor_bytes"] for row in pool.status]
 """
-
-
-def value(kernel: Kernel, expr: str, timeout: float = 300):
-    reply = kernel.run(f"print(json.dumps({expr}))", timeout=timeout)
-    if reply.error:
-        raise RuntimeError(f"{reply.error['ename']}: {reply.error['evalue']}\n"
-                           + "\n".join(reply.error["traceback"]))
-    return json.loads(reply.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:

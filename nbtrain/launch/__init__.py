@@ -75,17 +75,8 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
     interrupt (Ctrl-C, the stop button) ends every worker and raises KeyboardInterrupt
     (``nbtrain.last_run()`` then gives the run back, with its history).
     """
-    if not callable(fn):
-        raise TypeError(f"launch() takes the function to run first; got {type(fn).__name__}.")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
-    if dashboard not in DASHBOARDS:
-        raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, False, or "
-                         "force one view: 'widget', 'static' or 'text'.")
-    resume = _resume_path(resume)
-    base_seed = seeding.base_seed(seed)
-    options = Telemetry.from_arg(telemetry)
-    chosen = strategies.get(strategy)
+    resume, base_seed, options, chosen = _check_run_args(
+        "launch()", fn, timeout, dashboard, resume, seed, telemetry, strategy)
     plan = parse_devices(devices, accelerator)
     chosen.check(plan)
     method = _start_method(start_method, chosen)
@@ -116,6 +107,20 @@ def _wait_in_cell(run: Run, stop_timeout: float = 10.0) -> Run:
         raise KeyboardInterrupt(f"the run was stopped{at}; nbtrain.last_run() returns it, "
                                 "with its history.") from None
     return run
+
+
+def _check_run_args(who: str, fn, timeout, dashboard, resume, seed, telemetry, strategy):
+    """What ``launch()`` and ``pool.launch()`` take alike, checked before anything starts:
+    the resume path, the base seed, the telemetry options and the strategy."""
+    if not callable(fn):
+        raise TypeError(f"{who} takes the function to run first; got {type(fn).__name__}.")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+    if dashboard not in DASHBOARDS:
+        raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, False, or "
+                         "force one view: 'widget', 'static' or 'text'.")
+    return (_resume_path(resume), seeding.base_seed(seed), Telemetry.from_arg(telemetry),
+            strategies.get(strategy))
 
 
 def _start_method(requested: str, strategy: Strategy) -> str:

@@ -31,10 +31,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ..spec import WorkerSpec
 from .launcher import WorkerHandle
 from .pool_op import INTERRUPT_GRACE_S, PoolOp, RankCellError, cell_error
 from .supervisor import kill_group
-from .worker import RESULT_PICKLE, WorkerSpec
+from .worker import RESULT_PICKLE
 
 EXIT_GRACE_S = 2.0  # after "exit", how long before SIGKILL
 _HOST = "127.0.0.1"
@@ -405,26 +406,14 @@ class RankPool:
         as ``nbtrain.launch`` does (same arguments, except that devices, accelerator and
         start method are the pool's). What the run made is freed on every rank when it
         ends (on CUDA the allocator's cache is emptied too)."""
-        from .. import seeding, strategies
-        from ..run import DASHBOARDS, Run
+        from ..run import Run
         from ..telemetry.channel import TelemetryServer
-        from ..telemetry.options import Telemetry
-        from . import _resume_path, _wait_in_cell
+        from . import _check_run_args, _wait_in_cell
         from .spawn import serialize
 
         self._check_open()
-        if not callable(fn):
-            raise TypeError(f"pool.launch() takes the function to run first; got "
-                            f"{type(fn).__name__}.")
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
-        if dashboard not in DASHBOARDS:
-            raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, False, "
-                             "or force one view: 'widget', 'static' or 'text'.")
-        resume = _resume_path(resume)
-        base_seed = seeding.base_seed(seed)
-        options = Telemetry.from_arg(telemetry)
-        chosen = strategies.get(strategy)
+        resume, base_seed, options, chosen = _check_run_args(
+            "pool.launch()", fn, timeout, dashboard, resume, seed, telemetry, strategy)
         chosen.check(self.plan)
         if chosen.start_method and chosen.start_method != self.start_method:
             raise ValueError(f"strategy {chosen.name!r} means start_method="

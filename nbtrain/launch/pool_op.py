@@ -74,15 +74,7 @@ class PoolOp(Supervisor):
         return bool(self.killed) or any(w.exitcode is not None for w in self.workers.values())
 
     def _loop(self) -> None:
-        sel = self._sel
-        sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
-        for w in self.workers.values():
-            h = w.handle
-            sel.register(h.process.sentinel, selectors.EVENT_READ, ("exit", w))
-            sel.register(h.control, selectors.EVENT_READ, ("control", w))
-            for stream, conn in (("out", h.out), ("err", h.err)):
-                os.set_blocking(conn.fileno(), False)
-                sel.register(conn, selectors.EVENT_READ, (stream, w))
+        sel = self._register()
         while True:
             if self.killed:
                 if all(w.exitcode is not None for w in self.workers.values()):

@@ -99,7 +99,8 @@ class Supervisor:
             self._cleanup()
             self.done.set()
 
-    def _loop(self) -> None:
+    def _register(self) -> selectors.BaseSelector:
+        """Watch every worker's exit, control pipe and output; returns the selector."""
         sel = self._sel
         sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         for w in self.workers.values():
@@ -109,6 +110,10 @@ class Supervisor:
             for stream, conn in (("out", h.out), ("err", h.err)):
                 os.set_blocking(conn.fileno(), False)
                 sel.register(conn, selectors.EVENT_READ, (stream, w))
+        return sel
+
+    def _loop(self) -> None:
+        sel = self._register()
         term_sent_at: float | None = None
         while any(w.exitcode is None for w in self.workers.values()):
             now = time.monotonic()
