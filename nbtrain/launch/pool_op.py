@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from ..errors import WorkerError
 from .launcher import WorkerHandle
-from .supervisor import Failure, Supervisor, _Worker, kill_group
+from .supervisor import Failure, Supervisor, _Worker
 
 INTERRUPT_GRACE_S = 3.0  # after SIGINT, how long busy ranks get to reply
 RESEND_S = 0.25  # SIGINT again to ranks that have not replied yet
@@ -126,15 +126,9 @@ class PoolOp(Supervisor):
             f.secondary = True  # we interrupted it: not the cause
 
     def _on_exit(self, w: _Worker) -> None:
-        h = w.handle
-        if w.exitcode is not None:
+        if not self._reap(w):
             return
-        self._forget(h.process.sentinel)
-        kill_group(h.pid, signal.SIGKILL)
-        h.process.join(timeout=5)
-        w.exitcode = h.process.exitcode if h.process.exitcode is not None else -signal.SIGKILL
-        while w.control_open and _poll(h.control):
-            self._read_control(w)
+        h = w.handle
         if self.killed:
             return  # we ended it
         self.died.append(h.rank)

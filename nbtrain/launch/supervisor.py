@@ -182,10 +182,11 @@ class Supervisor:
         else:
             w.result = data
 
-    def _on_exit(self, w: _Worker) -> None:
+    def _reap(self, w: _Worker) -> bool:
+        """Reap a worker that exited and read what it sent last; False if already done."""
         h = w.handle
         if w.exitcode is not None:
-            return
+            return False
         self._forget(h.process.sentinel)
         # Until it is reaped the worker's pid (its group id) cannot be reused: end anything
         # it started and left behind (DataLoader workers), then reap it.
@@ -194,6 +195,12 @@ class Supervisor:
         w.exitcode = h.process.exitcode if h.process.exitcode is not None else -signal.SIGKILL
         while w.control_open and _poll(h.control):  # a report sent just before exit
             self._read_control(w)
+        return True
+
+    def _on_exit(self, w: _Worker) -> None:
+        if not self._reap(w):
+            return
+        h = w.handle
         if w.failure or w.result is not None or self.teardown_cause in ("stop", "timeout"):
             return
         if self.teardown_cause == "failure" and w.exitcode < 0:
