@@ -186,7 +186,8 @@ class TelemetryClient:
     """Worker side: ``send`` never blocks; a background thread writes batches."""
 
     def __init__(self, address: tuple[str, int], token: str, rank: int,
-                 capacity: int = 10_000, flush_interval: float = 0.05):
+                 capacity: int = 10_000, flush_interval: float = 0.05,
+                 connect_timeout: float = 30.0, hello: dict | None = None):
         self.rank = rank
         self.dropped = 0
         self._buf: collections.deque[bytes] = collections.deque()
@@ -195,9 +196,12 @@ class TelemetryClient:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closing = False
-        self._sock = socket.create_connection(tuple(address), timeout=30)
+        self.lost: str | None = None  # why the listener went away mid-run, if it did
+        self._sock = socket.create_connection(tuple(address), timeout=connect_timeout)
         self._sock.settimeout(None)
-        self._sock.sendall(frame(json.dumps({"token": token, "rank": rank}).encode()))
+        # hello: the token and rank, plus what a remote job says about itself (run id...)
+        greeting = {**(hello or {}), "token": token, "rank": rank}
+        self._sock.sendall(frame(json.dumps(greeting).encode()))
         self._thread = threading.Thread(target=self._loop, name="nbtrain-telemetry-send",
                                         daemon=True)
         self._thread.start()
@@ -223,7 +227,8 @@ class TelemetryClient:
             if chunk:
                 try:
                     self._sock.sendall(chunk)
-                except OSError:
+                except OSError as err:
+                    self.lost = f"{type(err).__name__}: {err}"
                     return  # the kernel is gone; the supervisor will notice
             if closing:
                 return
@@ -240,3 +245,20 @@ class TelemetryClient:
         except OSError:
             pass
         self._sock.close()
+
+
+def format_address(host: str, port: int, token: str) -> str:
+    """The one string a job needs to attach to a listener: ``host:port:token``."""
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{port}:{token}"
+
+
+def parse_address(text: str) -> tuple[str, int, str]:
+    """``host:port:token`` (as ``format_address`` writes it) -> (host, port, token)."""
+    head, _, token = text.strip().rpartition(":")
+    host, _, port = head.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not token:
+        raise ValueError(f"{text!r} is not a listener address: expected HOST:PORT:TOKEN, as "
+                         "watch.address gives it (watch = nbtrain.listen()).")
+    return host, int(port), token
