@@ -86,3 +86,30 @@ def test_two_torchrun_nodes_train_what_launch_trains(strategy, tmp_path):
                                    msg=f"{strategy}: {name} differs from launch()")
     assert [r["loss"] for r in got["results"]] == pytest.approx(
         [r["loss"] for r in local.results], rel=1e-5)
+
+
+def test_nbtrain_run_reads_the_function_and_its_arguments():
+    from nbtrain.launch import command
+
+    assert command.function_args(["3", "'x'", "lr=3e-4", "name=tiny", "dims=(2, 4)"]) == (
+        [3, "x"], {"lr": 3e-4, "name": "tiny", "dims": (2, 4)})
+    with pytest.raises(ValueError, match="positional arguments come before"):
+        command.function_args(["lr=1", "3"])
+    argv = [f"{TESTS / 'workloads.py'}:train", "lr=0.1", "--nproc-per-node", "2", "--nnodes",
+            "2", "--rdzv-endpoint", "10.0.0.1:29500", "--attach", "h:1:secret"]
+    cmd = command.torchrun_command(command.parser().parse_intermixed_args(argv), argv)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert "--rdzv-endpoint=10.0.0.1:29500" in cmd and "--nproc-per-node=2" in cmd
+    assert cmd[cmd.index("nbtrain"):] == ["nbtrain", "_rank", argv[0], "lr=0.1",
+                                          "--nproc-per-node", "2", "--nnodes", "2",
+                                          "--rdzv-endpoint", "10.0.0.1:29500"]
+    assert "secret" not in " ".join(cmd)  # the token goes by environment, not argv
+
+
+@pytest.mark.parametrize("target, message", [
+    ("missing.py:train", "no file"), ("workloads.py:nope", "defines no 'nope'"),
+    ("workloads.py", "is not FILE.py:FUNCTION")])
+def test_nbtrain_run_refuses_a_wrong_target_before_torchrun(target, message):
+    done = subprocess.run([sys.executable, "-m", "nbtrain", "run", target], cwd=TESTS,
+                          env=job_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and message in done.stderr
