@@ -134,6 +134,10 @@ def run_in_process(fn, args, kwargs, strategy, accelerator: str, options: Teleme
         remote = _attach(spec, run_id, name, strategy.name)
         tee = _Tee(rank, run._on_event if run is not None else kept.append, remote)
     message = execute(spec, (fn, args, kwargs, strategy), telemetry=tee)
+    if tee is not None and tee.remote is not None and tee.remote.lost:
+        print(f"nbtrain: rank {rank} lost the listener at {_shown(os.environ[ATTACH_ENV])} "
+              f"mid-run ({tee.remote.lost}); training went on without it.",
+              file=sys.stderr, flush=True)
     if message[:1] == FAILURE:
         _raise(message)
     results: list[bytes] | None = [None] * world_size if rank == 0 else None
@@ -191,7 +195,7 @@ def _attach(spec: WorkerSpec, run_id: str, name: str, strategy: str) -> Telemetr
         host, port, token = parse_address(address)
         hello = {"run": run_id, "world_size": spec.world_size, "name": name,
                  "strategy": strategy, "accelerator": spec.accelerator,
-                 "host": socket.gethostname(), "seed": spec.seed,
+                 "host": socket.gethostname(), "seed": spec.seed, "ack": True,
                  "t": time.monotonic()}
         client = TelemetryClient((host, port), token, spec.rank, connect_timeout=5.0,
                                  hello=hello)
