@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -113,3 +114,82 @@ def test_nbtrain_run_refuses_a_wrong_target_before_torchrun(target, message):
     done = subprocess.run([sys.executable, "-m", "nbtrain", "run", target], cwd=TESTS,
                           env=job_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and message in done.stderr
+
+
+def one_rank(target: str, *args: str, attach: str, timeout: float = 120,
+             wait=None) -> subprocess.CompletedProcess:
+    """What torchrun runs for ``nbtrain run``, as a 1-rank job (its environment set by
+    hand: no agent, so it starts in a few seconds). ``wait``, given, is called while the
+    job runs."""
+    env = job_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(free_port()), NBTRAIN_ATTACH=attach)
+    job = subprocess.Popen([sys.executable, "-m", "nbtrain", "_rank", f"{target}", *args,
+                            "--accelerator", "cpu"], cwd=TESTS, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           start_new_session=True)
+    try:
+        if wait is not None:
+            wait()
+        out, err = job.communicate(timeout=timeout)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
+
+
+def test_a_watched_job_streams_its_run_and_a_failure_arrives_as_worker_error():
+    with nbtrain.listen(dashboard=False) as watch:
+        done = one_rank("workloads.py:train", attach=watch.address)
+        assert done.returncode == 0, done.stderr[-3000:]
+        bad = one_rank("workloads.py:fail_on", "raise", "rank=0", attach=watch.address)
+        assert bad.returncode != 0 and "bad batch on purpose" in bad.stderr
+        good, failed = watch.wait(2, timeout=30)
+    assert good.status == "done" and good.rank_status == {0: "done"}
+    assert [s for s, _ in good.history.metric("loss", 0)] == list(range(16))  # 1 rank: all data
+    assert good.summary().ranks[0].steps == 16 and good.summary().ranks[0].memory["params"] > 0
+    assert str(good.summary()) in done.stdout  # the job's own summary, printed by rank 0
+    with pytest.raises(nbtrain.RunStoppedError, match="stay with its job"):
+        _ = good.results
+    assert failed.status == "failed"
+    with pytest.raises(nbtrain.WorkerError, match="ValueError: bad batch on purpose"):
+        failed.wait()
+
+
+@pytest.mark.parametrize("address, why", [
+    ("no-such-host.invalid:4000:0123", "could not attach to no-such-host.invalid:4000"),
+    ("wrong-token", "could not attach to 127.0.0.1:"),
+])
+def test_a_job_that_cannot_attach_says_so_once_and_trains(address, why):
+    with nbtrain.listen(dashboard=False) as watch:
+        if address == "wrong-token":
+            address = watch.address.rsplit(":", 1)[0] + ":" + "0" * 32
+        done = one_rank("workloads.py:train", attach=address)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert watch.runs == []
+        if "wrong" in why or "127.0.0.1" in why:
+            assert watch.refused == 1
+    lines = [line for line in done.stderr.splitlines() if "nbtrain: could not attach" in line]
+    assert len(lines) == 1 and why in lines[0], done.stderr[-3000:]
+    assert "0" * 32 not in done.stderr  # the token is not written to the log
+    assert "start=torchrun: done" in done.stdout  # it trained
+
+
+def test_a_listener_that_goes_away_mid_run_leaves_the_job_training(tmp_path):
+    gate = tmp_path / "gate"
+    watch = nbtrain.listen(dashboard=False)
+
+    def close_after_first_event():
+        deadline = time.monotonic() + 60
+        while not (watch.runs and len(watch.runs[0].history)):
+            assert time.monotonic() < deadline, "the job never attached"
+            time.sleep(0.05)
+        watch.close()
+        gate.touch()
+
+    done = one_rank("workloads.py:paced", str(gate), attach=watch.address,
+                    wait=close_after_first_event)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "start=torchrun: done" in done.stdout
+    assert "lost the listener" in done.stderr
+    assert watch.runs[0].status == "stopped"  # no longer watched; the job finished anyway
