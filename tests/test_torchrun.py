@@ -193,3 +193,54 @@ def test_a_listener_that_goes_away_mid_run_leaves_the_job_training(tmp_path):
     assert "start=torchrun: done" in done.stdout
     assert "lost the listener" in done.stderr
     assert watch.runs[0].status == "stopped"  # no longer watched; the job finished anyway
+
+
+@pytest.mark.kernel
+def test_the_notebook_watches_a_two_node_torchrun_job_live(kernel_clean):
+    """nbtrain.listen() in a real ipykernel; `nbtrain run --attach` on two c10d agents."""
+    kernel = kernel_clean
+    listen_cell = kernel.submit("watch = nbtrain.listen()")
+    reply = kernel.collect(listen_cell)
+    assert reply.error is None, reply.error
+    assert any("nbtrain is listening on 127.0.0.1:" in d.get("text/plain", "")
+               for d in reply.displays)
+    reply = kernel.run(f"""
+        import os, signal, socket, subprocess, sys
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "nbtrain", "run", "workloads.py:train", "--strategy",
+               "fsdp", "--accelerator", "cpu", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-endpoint", f"127.0.0.1:{{port}}", "--attach", watch.address]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+            [{str(TESTS.parent)!r}, os.environ.get("PYTHONPATH", "")]))
+        agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=env, start_new_session=True)
+                  for _ in range(2)]
+        try:
+            outs = [a.communicate(timeout=240) for a in agents]
+        finally:
+            for a in agents:
+                if a.poll() is None:
+                    os.killpg(a.pid, signal.SIGKILL)
+                    a.wait()
+        run, = watch.wait(1, timeout=60)
+        """, timeout=300)
+    assert reply.error is None, reply.error
+    assert kernel.value("[a.returncode for a in agents]") == [0, 0], kernel.value(
+        "[err[-2000:] for _, err in outs]")
+    assert kernel.value("(run.status, run.rank_status, run.start_method, run.world_size)") == (
+        "done", {0: "done", 1: "done"}, "torchrun", 2)
+    assert kernel.value("{r: [s for s, _ in run.history.metric('loss', r)] for r in (0, 1)}") \
+        == {0: list(range(8)), 1: list(range(8))}
+    steps, times, params = kernel.value(
+        "[s.steps for s in run.summary().ranks], "
+        "[s.step_time is not None for s in run.summary().ranks], "
+        "[s.memory.get('params', 0) > 0 for s in run.summary().ranks]")
+    assert steps == [8, 8] and times == [True, True] and params == [True, True]
+    # the job's own summary (printed by rank 0, on whichever agent it ran) is the same
+    assert kernel.value("any(str(run.summary()) in out for out, _ in outs)") is True
+    # the run's view showed in the cell that called listen(), not in the one running
+    shown = kernel.late_displays.get(listen_cell, [])
+    assert any("train" in str(d) and "fsdp" in str(d) for d in shown), shown
+    kernel.run("watch.close()")
