@@ -71,6 +71,7 @@ def test_two_torchrun_nodes_train_what_launch_trains(strategy, tmp_path):
     assert (tmp_path / "rank0.txt").read_text() == "Run"
     assert (tmp_path / "rank1.txt").read_text() == "NoneType"
     got = torch.load(tmp_path / "run.pt")
+    assert got["first"] == [0, 1]  # an earlier launch() in the same script
     assert got["status"] == "done" and got["seed"] == 7
     assert [r["rank"] for r in got["results"]] == [0, 1]
     assert [r["env_rank"] for r in got["results"]] == ["0", "1"]

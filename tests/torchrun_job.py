@@ -1,8 +1,9 @@
 """A script torchrun runs in the tests: ``launch(train)`` as this process's rank.
 
-    torchrun ... tests/torchrun_job.py STRATEGY OUT_DIR [fail]
+    torchrun ... tests/torchrun_job.py STRATEGY OUT_DIR
 
-Rank 0 saves what its ``Run`` holds (results, summary rows, seed) to OUT_DIR/run.pt;
+A first launch() of a small function shows a second one in the same script reuses the
+process group. Rank 0 saves what its ``Run`` holds (results, summary rows, seed) to OUT_DIR/run.pt;
 every rank saves what ``launch`` returned it to OUT_DIR/rank{RANK}.txt.
 """
 
@@ -17,13 +18,12 @@ from workloads import fail_on, train
 import nbtrain
 
 strategy, out = sys.argv[1], sys.argv[2]
-if sys.argv[3:] == ["fail"]:
-    nbtrain.launch(fail_on, "raise", strategy=strategy, accelerator="cpu")
+first = nbtrain.launch(fail_on, "none", strategy="ddp", accelerator="cpu", dashboard=False)
 run = nbtrain.launch(train, strategy=strategy, accelerator="cpu", seed=7)
 with open(os.path.join(out, f"rank{os.environ['RANK']}.txt"), "w") as f:
     f.write(type(run).__name__)
 if run is not None:
-    torch.save({"results": run.results, "summary": run.summary().rows(), "seed": run.seed,
+    torch.save({"first": first.results, "results": run.results, "summary": run.summary().rows(), "seed": run.seed,
                 "ranks": run.history.ranks, "status": run.status,
                 "loss_steps": {r: [s for s, _ in run.history.metric("loss", r)] for r in (0, 1)}},
                os.path.join(out, "run.pt"))

@@ -130,7 +130,7 @@ def run_in_process(fn, args, kwargs, strategy, accelerator: str, options: Teleme
             if view is not None:
                 view.start()
     tee = None
-    if options.enabled:
+    if options.enabled:  # the same on every rank: _attach's collective matches
         remote = _attach(spec, run_id, name, strategy.name)
         tee = _Tee(rank, run._on_event if run is not None else kept.append, remote)
     message = execute(spec, (fn, args, kwargs, strategy), telemetry=tee)
@@ -183,24 +183,21 @@ def _raise(message: bytes) -> None:
 
 
 def _attach(spec: WorkerSpec, run_id: str, name: str, strategy: str) -> TelemetryClient | None:
-    """A client to the listener named by ``NBTRAIN_ATTACH``, or None; an address that
-    does not answer is said once (rank 0, for the whole job) and training goes on."""
+    """A client to the listener named by ``NBTRAIN_ATTACH``, or None; a listener that
+    cannot be reached or refuses the token is said once (rank 0, for the whole job) and
+    training goes on."""
     import torch.distributed as dist
 
     address = os.environ.get(ATTACH_ENV, "").strip()
-    if not address:
-        return None
     client, why = None, ""
-    try:
-        host, port, token = parse_address(address)
-        hello = {"run": run_id, "world_size": spec.world_size, "name": name,
-                 "strategy": strategy, "accelerator": spec.accelerator,
-                 "host": socket.gethostname(), "seed": spec.seed, "ack": True,
-                 "t": time.monotonic()}
-        client = TelemetryClient((host, port), token, spec.rank, connect_timeout=5.0,
-                                 hello=hello)
-    except (OSError, ValueError) as err:
-        why = f"{type(err).__name__}: {err}"
+    # Every rank takes part in the all-gather below, attached or not, so a node that
+    # lacks NBTRAIN_ATTACH cannot leave the others in a different collective.
+    if address:
+        got = _connect(spec, address, run_id, name, strategy)
+        if isinstance(got, TelemetryClient):
+            client = got
+        else:
+            why = got
     failures: list[Any] = [None] * spec.world_size
     dist.all_gather_object(failures, why)
     global _warned_attach
@@ -212,6 +209,21 @@ def _attach(spec: WorkerSpec, run_id: str, name: str, strategy: str) -> Telemetr
               f"{', '.join(map(str, ranks))}: {reason}); training goes on without it.",
               file=sys.stderr, flush=True)
     return client
+
+
+def _connect(spec: WorkerSpec, address: str, run_id: str, name: str,
+             strategy: str) -> TelemetryClient | str:
+    """A client to the listener at ``address``, or why there is none."""
+    try:
+        host, port, token = parse_address(address)
+        hello = {"run": run_id, "world_size": spec.world_size, "name": name,
+                 "strategy": strategy, "accelerator": spec.accelerator,
+                 "host": socket.gethostname(), "seed": spec.seed, "ack": True,
+                 "t": time.monotonic()}
+        return TelemetryClient((host, port), token, spec.rank, connect_timeout=5.0,
+                               hello=hello)
+    except (OSError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"
 
 
 def _shown(address: str) -> str:
