@@ -65,8 +65,7 @@ def run_agents(args: list[str], env: dict[str, str], nodes: int = 2,
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_torchrun_nodes_train_what_launch_trains(strategy, tmp_path):
     agents = run_agents([str(JOB), strategy, str(tmp_path)], job_env())
-    for agent in agents:
-        assert agent.returncode == 0, agent.stderr[-3000:]
+    assert [a.returncode for a in agents] == [0, 0], [a.stderr[-3000:] for a in agents]
     # rank 0 got the Run, rank 1 None
     assert (tmp_path / "rank0.txt").read_text() == "Run"
     assert (tmp_path / "rank1.txt").read_text() == "NoneType"

@@ -16,6 +16,7 @@ run --attach``), every rank also streams its events to a notebook's ``nbtrain.li
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -142,16 +143,18 @@ def run_in_process(fn, args, kwargs, strategy, accelerator: str, options: Teleme
         _raise(message)
     results: list[bytes] | None = [None] * world_size if rank == 0 else None
     dist.gather_object(message, results, dst=0)
-    events: list[list[bytes]] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object([encode(e) for e in kept], events, dst=0)
+    events: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object((time.monotonic(), [encode(e) for e in kept]), events, dst=0)
     del owned  # the process group stays for the next launch(); torchrun ends it
     if run is None:
         return None
-    for rank_events in events[1:]:
+    now = time.monotonic()
+    for then, rank_events in events[1:]:
+        offset = now - then  # onto rank 0's clock (other hosts have their own)
         for data in rank_events:
             event = decode(data)
             if event is not None:
-                run._on_event(event)
+                run._on_event(dataclasses.replace(event, t=event.t + offset))
     run._attach(_Finished(results), [])
     run.wait()
     return run
