@@ -42,12 +42,13 @@ def job_env(**extra: str) -> dict[str, str]:
 
 def run_agents(args: list[str], env: dict[str, str], nodes: int = 2,
                timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """``nodes`` torchrun agents on localhost, one process each, meeting by c10d."""
+    """``nodes`` torchrun agents on localhost, one process each, meeting by c10d. Agent 0
+    hosts the rendezvous store (torchrun would guess: every agent here matches the host)."""
     port = free_port()
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
          "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-         f"--node-rank={n}", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+         f"--node-rank={n}", f"--rdzv-conf=is_host={int(n == 0)}", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True) for n in range(nodes)]
     done = []
     try:
@@ -138,8 +139,8 @@ def one_rank(target: str, *args: str, attach: str, timeout: float = 120,
     return subprocess.CompletedProcess(job.args, job.returncode, out, err)
 
 
-def test_a_watched_job_streams_its_run_and_a_failure_arrives_as_worker_error():
-    with nbtrain.listen(dashboard=False) as watch:
+def test_a_watched_job_streams_its_run_and_a_failure_arrives_as_worker_error(capsys):
+    with nbtrain.listen(dashboard="text") as watch:  # outside a kernel: lines on stderr
         done = one_rank("workloads.py:train", attach=watch.address)
         assert done.returncode == 0, done.stderr[-3000:]
         bad = one_rank("workloads.py:fail_on", "raise", "rank=0", attach=watch.address)
@@ -151,6 +152,9 @@ def test_a_watched_job_streams_its_run_and_a_failure_arrives_as_worker_error():
     assert str(good.summary()) in done.stdout  # the job's own summary, printed by rank 0
     with pytest.raises(nbtrain.RunStoppedError, match="stay with its job"):
         _ = good.results
+    shown = capsys.readouterr().err
+    assert "nbtrain is listening on 127.0.0.1:" in shown
+    assert "nbtrain ddp ×1: done | step 16" in shown, shown
     assert failed.status == "failed"
     with pytest.raises(nbtrain.WorkerError, match="ValueError: bad batch on purpose"):
         failed.wait()
@@ -205,7 +209,7 @@ def test_the_notebook_watches_a_two_node_torchrun_job_live(kernel_clean):
     assert any("nbtrain is listening on 127.0.0.1:" in d.get("text/plain", "")
                for d in reply.displays)
     reply = kernel.run(f"""
-        import os, signal, socket, subprocess, sys
+        import os, signal, socket, subprocess, sys, tempfile
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -214,21 +218,29 @@ def test_the_notebook_watches_a_two_node_torchrun_job_live(kernel_clean):
                "--rdzv-endpoint", f"127.0.0.1:{{port}}", "--attach", watch.address]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
             [{str(TESTS.parent)!r}, os.environ.get("PYTHONPATH", "")]))
-        agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True, env=env, start_new_session=True)
-                  for _ in range(2)]
+        logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
+        agents = [subprocess.Popen(cmd + ["--rdzv-conf", f"is_host={{int(n == 0)}}"],
+                                   stdout=logs[n], stderr=subprocess.STDOUT, text=True,
+                                   env=env, start_new_session=True)
+                  for n in range(2)]
         try:
-            outs = [a.communicate(timeout=240) for a in agents]
+            for a in agents:
+                a.wait(timeout=150)
         finally:
             for a in agents:
                 if a.poll() is None:
                     os.killpg(a.pid, signal.SIGKILL)
                     a.wait()
+            outs = []
+            for log in logs:
+                log.seek(0)
+                outs.append(log.read())
+                log.close()
         run, = watch.wait(1, timeout=60)
         """, timeout=300)
-    assert reply.error is None, reply.error
+    assert reply.error is None, (reply.error["evalue"], kernel.value("[o[-3000:] for o in outs]"))
     assert kernel.value("[a.returncode for a in agents]") == [0, 0], kernel.value(
-        "[err[-2000:] for _, err in outs]")
+        "[o[-3000:] for o in outs]")
     assert kernel.value("(run.status, run.rank_status, run.start_method, run.world_size)") == (
         "done", {0: "done", 1: "done"}, "torchrun", 2)
     assert kernel.value("{r: [s for s, _ in run.history.metric('loss', r)] for r in (0, 1)}") \
@@ -239,7 +251,7 @@ def test_the_notebook_watches_a_two_node_torchrun_job_live(kernel_clean):
         "[s.memory.get('params', 0) > 0 for s in run.summary().ranks]")
     assert steps == [8, 8] and times == [True, True] and params == [True, True]
     # the job's own summary (printed by rank 0, on whichever agent it ran) is the same
-    assert kernel.value("any(str(run.summary()) in out for out, _ in outs)") is True
+    assert kernel.value("any(str(run.summary()) in out for out in outs)") is True
     # the run's view showed in the cell that called listen(), not in the one running
     shown = kernel.late_displays.get(listen_cell, [])
     assert any("train" in str(d) and "fsdp" in str(d) for d in shown), shown

@@ -40,6 +40,9 @@ def parser(prog: str = "nbtrain run") -> argparse.ArgumentParser:
     t.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d")
     t.add_argument("--rdzv-id", "--rdzv_id", default="nbtrain")
     t.add_argument("--node-rank", "--node_rank", default=None)
+    t.add_argument("--rdzv-conf", "--rdzv_conf", default=None, metavar="KEY=VALUE,...",
+                   help="torchrun's rendezvous options, e.g. is_host=1 on the node that "
+                   "hosts the store")
     return p
 
 
@@ -70,6 +73,8 @@ def torchrun_command(options: argparse.Namespace, argv: list[str]) -> list[str]:
                     f"--rdzv-endpoint={options.rdzv_endpoint}", f"--rdzv-id={options.rdzv_id}"]
     else:
         command += ["--standalone"]
+    if options.rdzv_conf:
+        command += [f"--rdzv-conf={options.rdzv_conf}"]
     if options.node_rank is not None:
         command += [f"--node-rank={options.node_rank}"]
     return command + ["-m", "nbtrain", "_rank", *_without_attach(argv)]

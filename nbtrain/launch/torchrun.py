@@ -108,7 +108,7 @@ def run_in_process(fn, args, kwargs, strategy, accelerator: str, options: Teleme
     if seed is not None:
         seeding.base_seed(seed)  # checked on every rank alike
     pg_timeout = 1800.0
-    owned = _join(plan, local_rank, pg_timeout)
+    _join(plan, local_rank, pg_timeout)  # kept for a later launch(); torchrun ends it
     # One base seed and run id for the whole job, drawn on rank 0.
     shared = [seeding.base_seed(seed), uuid.uuid4().hex[:12]] if rank == 0 else [None, None]
     dist.broadcast_object_list(shared, src=0)
@@ -145,7 +145,6 @@ def run_in_process(fn, args, kwargs, strategy, accelerator: str, options: Teleme
     dist.gather_object(message, results, dst=0)
     events: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object((time.monotonic(), [encode(e) for e in kept]), events, dst=0)
-    del owned  # the process group stays for the next launch(); torchrun ends it
     if run is None:
         return None
     now = time.monotonic()
@@ -160,20 +159,20 @@ def run_in_process(fn, args, kwargs, strategy, accelerator: str, options: Teleme
     return run
 
 
-def _join(plan: DevicePlan, local_rank: int, timeout_s: float) -> bool:
-    """Join torchrun's process group (env://), unless the script already did."""
+def _join(plan: DevicePlan, local_rank: int, timeout_s: float) -> None:
+    """Join torchrun's process group (env://), unless the script (or an earlier
+    ``launch()``) already did."""
     import torch
     import torch.distributed as dist
 
     if dist.is_initialized():
-        return False
+        return
     init: dict[str, Any] = dict(backend=plan.backend, init_method="env://",
                                 timeout=datetime.timedelta(seconds=timeout_s))
     if plan.accelerator == "cuda":
         torch.cuda.set_device(local_rank)
         init["device_id"] = torch.device("cuda", local_rank)
     dist.init_process_group(**init)
-    return True
 
 
 def _raise(message: bytes) -> None:
