@@ -16,6 +16,7 @@ run --attach``), every rank also streams its events to a notebook's ``nbtrain.li
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import json
@@ -173,6 +174,16 @@ def _join(plan: DevicePlan, local_rank: int, timeout_s: float) -> None:
         torch.cuda.set_device(local_rank)
         init["device_id"] = torch.device("cuda", local_rank)
     dist.init_process_group(**init)
+    # The group nbtrain made, nbtrain ends when the script does. Left to the interpreter's
+    # exit, its C++ threads were destroyed still running: "terminate called without an
+    # active exception", SIGABRT, and the other agent waited until its timeout (seen on
+    # localhost c10d runs).
+    atexit.register(_leave, dist)
+
+
+def _leave(dist) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _raise(message: bytes) -> None:
