@@ -3,6 +3,7 @@
     run = nbtrain.launch(train, devices=2, strategy="fsdp")
     run.results, run.history
     pool = nbtrain.RankPool(devices=2)       # warm workers: pool.launch(...), %%ranks cells
+    watch = nbtrain.listen(host="0.0.0.0")   # watch a torchrun job: NBTRAIN_ATTACH=watch.address
 """
 
 from . import strategies
@@ -13,10 +14,11 @@ from .launch.pool import RankPool
 from .run import Run, last_run
 from .telemetry.options import Telemetry
 from .ui import StrategyPicker, compare, progress
+from .watch import listen
 
 __all__ = ["Context", "RankPool", "Run", "RunStoppedError", "RunTimeoutError",
            "StrategyPicker", "Telemetry", "WorkerError", "compare", "last_run", "launch",
-           "progress", "strategies"]
+           "listen", "progress", "strategies"]
 __version__ = "0.1.0"
 
 

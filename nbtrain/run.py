@@ -78,6 +78,9 @@ class Run:
         self._streams = {"out": sys.stdout, "err": sys.stderr}
         self._last_step: dict[int, int] = {}
         self._sinks = SinkDispatcher(list(sinks))
+        # Set by nbtrain.listen(): a run of a job elsewhere, watched. It has the job's
+        # events (history, summary) but not its results, which stay with the job.
+        self.remote: dict | None = None
 
     # -- public ------------------------------------------------------------------------
     @property
@@ -109,6 +112,10 @@ class Run:
                                "run.done).")
         if self._error is not None:
             raise self._error.with_traceback(None)  # this raise's frames, not an earlier one's
+        if self._results is None and self.remote is not None:
+            raise RunStoppedError("a watched run's results stay with its job (rank 0 of "
+                                  "torchrun gets them from launch()); run.history and "
+                                  "run.summary() hold what it streamed.")
         if self._results is None:
             raise RunStoppedError("the run was stopped before every rank returned, so it has "
                                   "no results; run.history holds what was logged.")
@@ -273,6 +280,10 @@ class Run:
                                       root.hint)
             # launch() showed a live view in this cell: it shows the traceback already
             self._error.shown_in_cell = getattr(self, "_nbtrain_shown_in", None)
+            return
+        if sup.teardown_cause == "remote":  # a watched job: its results stay with it
+            ended = all(s == "done" for s in self.rank_status.values())
+            self._status = "done" if ended else "stopped"
             return
         results = []
         for rank in range(self.world_size):

@@ -40,7 +40,7 @@ class WorkerSpec:
             "MASTER_ADDR": self.store_host, "MASTER_PORT": str(self.store_port),
             "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
             "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.world_size),
-            "GROUP_RANK": "0",
+            "GROUP_RANK": "0", "NBTRAIN_WORKER": "1",  # not a torchrun rank: see torchrun.py
         }
         if self.num_threads is not None:
             env["OMP_NUM_THREADS"] = str(self.num_threads)

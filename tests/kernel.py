@@ -29,6 +29,9 @@ class Reply:
 class Kernel:
     def __init__(self, startup: str = "import nbtrain, torch"):
         self._replies: dict[str, Reply] = {}
+        # display_data that arrived for a cell other than the one being read, by cell
+        # (a listener shows later runs in the cell that opened it)
+        self.late_displays: dict[str, list[dict]] = {}
         self.km = KernelManager(kernel_name="python3")
         env = dict(os.environ)
         env.pop("PYTEST_CURRENT_TEST", None)
@@ -64,6 +67,9 @@ class Kernel:
             except Empty:
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
+                if msg["msg_type"] == "display_data":
+                    self.late_displays.setdefault(msg["parent_header"].get("msg_id"),
+                                                  []).append(msg["content"]["data"])
                 continue
             kind, content = msg["msg_type"], msg["content"]
             if kind == "stream":

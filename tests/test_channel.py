@@ -3,6 +3,8 @@ import socket
 import threading
 import time
 
+import pytest
+
 from nbtrain.telemetry.channel import MAX_FRAME, TelemetryClient, TelemetryServer, frame
 from nbtrain.telemetry.events import Lifecycle, Metric, decode, encode
 
@@ -123,3 +125,13 @@ def test_a_slow_consumer_never_blocks_the_sender():
         client._closing = True
         server.close()
         client.close(timeout=1)
+
+
+def test_a_listener_address_is_one_string_host_port_token():
+    from nbtrain.telemetry.channel import format_address, parse_address
+
+    assert parse_address(format_address("10.0.0.5", 4000, "ab12")) == ("10.0.0.5", 4000, "ab12")
+    assert parse_address(format_address("::1", 4000, "ab12")) == ("::1", 4000, "ab12")
+    for bad in ("", "host:port:token", "host:4000", ":4000:tok"):
+        with pytest.raises(ValueError, match="HOST:PORT:TOKEN"):
+            parse_address(bad)

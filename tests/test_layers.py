@@ -88,7 +88,8 @@ def test_run_and_launch_know_no_ui():
 
 
 def test_the_worker_side_loads_no_notebook_machinery():
-    code = ("import sys, nbtrain.context, nbtrain.strategies, nbtrain.launch.worker; "
+    code = ("import sys, nbtrain.context, nbtrain.strategies, nbtrain.launch.worker, "
+            "nbtrain.launch.torchrun, nbtrain.launch.command, nbtrain.watch; "
             "print(sorted(m for m in sys.modules "
             "if m.split('.')[0] in ('ipywidgets', 'plotly', 'IPython', 'ipykernel')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

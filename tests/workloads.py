@@ -414,3 +414,18 @@ def draws(ctx):
     data = torch.utils.data.TensorDataset(torch.arange(16))
     (order,) = next(iter(ctx.dataloader(data, batch_size=16, shuffle=True)))
     return {**got, "order": order.tolist()}
+
+
+def paced(ctx, gate, steps=20):
+    """Logs once, waits until the file ``gate`` exists (the test's signal), then logs
+    ``steps`` more, one every 20 ms (so the telemetry client sends several batches)."""
+    ctx.log(x=0.0)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{gate} never appeared")
+        time.sleep(0.02)
+    for i in range(steps):
+        ctx.log(x=float(i))
+        time.sleep(0.02)
+    return ctx.rank

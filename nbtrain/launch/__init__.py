@@ -24,6 +24,8 @@ from .guards import choose_start_method, fork_threads
 from .launcher import Launcher
 from .spawn import SpawnLauncher
 from .supervisor import Supervisor, kill_group
+from .torchrun import detected as under_torchrun
+from .torchrun import run_in_process
 
 __all__ = ["launch"]
 
@@ -74,9 +76,20 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
     Returns the ``Run``. Blocking, a failed rank raises ``nbtrain.WorkerError`` here; an
     interrupt (Ctrl-C, the stop button) ends every worker and raises KeyboardInterrupt
     (``nbtrain.last_run()`` then gives the run back, with its history).
+
+    Under torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``
+    set), nothing is started: ``fn`` runs in this process as torchrun's rank, on its
+    ``LOCAL_RANK``'s GPU (or CPU); ``devices``, ``start_method``, ``background`` and
+    ``timeout`` are torchrun's business and ignored. Rank 0 gets the finished ``Run``
+    (every rank's results and history, gathered), the other ranks ``None``; a failing
+    rank raises ``WorkerError`` in its process. ``NBTRAIN_ATTACH=HOST:PORT:TOKEN`` (from
+    ``nbtrain.listen()``) streams every rank's events to that notebook.
     """
     resume, base_seed, options, chosen = _check_run_args(
         "launch()", fn, timeout, dashboard, resume, seed, telemetry, strategy)
+    if under_torchrun():  # rank 0 picks the base seed there, and tells the others
+        return run_in_process(fn, args, kwargs, chosen, accelerator, options, sinks,
+                              dashboard, resume, seed)
     plan = parse_devices(devices, accelerator)
     chosen.check(plan)
     method = _start_method(start_method, chosen)

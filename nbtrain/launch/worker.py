@@ -108,21 +108,21 @@ def init_distributed(spec: WorkerSpec) -> None:
     dist.init_process_group(**init)
 
 
-def execute(spec: WorkerSpec, payload: Any, setup=None) -> bytes:
+def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None) -> bytes:
     """Run the user's function once with a fresh ``Context``; return the control message
     (result or failure). Telemetry is flushed before it returns, so the kernel has every
     event before it reads the result. ``setup`` runs after telemetry connects (the
-    process group's start, in a one-shot worker)."""
+    process group's start, in a one-shot worker). ``telemetry``: where events go instead
+    of a client to ``spec.telemetry_address`` (a torchrun rank's own; closed here too)."""
     from ..context import Context
     from ..seeding import rank_seed, seed_all
     from ..telemetry.channel import TelemetryClient
     from ..telemetry.events import Lifecycle
 
-    telemetry = None
     ctx = None
     try:
         fn, args, kwargs, strategy = _load(payload)
-        if spec.telemetry_address is not None and spec.telemetry.enabled:
+        if telemetry is None and spec.telemetry_address is not None and spec.telemetry.enabled:
             telemetry = TelemetryClient(spec.telemetry_address, spec.telemetry_token, spec.rank)
         if setup is not None:
             setup()

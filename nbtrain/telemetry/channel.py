@@ -1,7 +1,10 @@
 """The worker -> kernel telemetry channel: a TCP listener in the kernel, a client per rank.
 
-The same channel serves fork and spawn workers (and later workers on other hosts): the
-kernel hands each worker an address and a secret token. Frames are a 4-byte big-endian
+The same channel serves fork and spawn workers and, through ``nbtrain.listen()``, the
+ranks of a torchrun job on other hosts: the kernel hands each worker an address and a
+secret token (a job gets both in one string, ``host:port:token``). A remote rank's
+hello also says which run it belongs to; the listener routes its events by that, and
+acknowledges the hello with one byte so a refused token is known at once. Frames are a 4-byte big-endian
 length and a JSON body. The first frame of a connection must carry the token; a wrong
 or missing token closes the connection. Oversized frames are skipped, malformed ones
 are dropped and counted; neither harms the run.
@@ -30,23 +33,35 @@ MAX_FRAME = 1 << 20  # bytes; larger frames are skipped
 _HEADER = struct.Struct(">I")
 
 
+ACK = b"\x01"  # the listener's answer to a hello that asked for one ("ack": true)
+
+
 class _Conn:
-    __slots__ = ("sock", "buf", "rank", "skip")
+    __slots__ = ("sock", "buf", "rank", "skip", "handler")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.buf = bytearray()
         self.rank: int | None = None  # set once the hello frame carried the right token
         self.skip = 0  # bytes of an oversized frame still to discard
+        self.handler: Callable[[Event], None] | None = None  # where its events go
 
 
 class TelemetryServer:
-    """Listens on loopback (by default) and hands every well-formed event to ``on_event``."""
+    """Listens on loopback (by default) and hands every well-formed event to ``on_event``.
 
-    def __init__(self, on_event: Callable[[Event], None], host: str = "127.0.0.1"):
+    ``on_hello(hello)``, when given, decides per connection: it gets the authenticated
+    hello (a dict: ``rank`` and whatever the client added) and returns the callable that
+    takes that connection's events (its ``closed()``, if it has one, is called when the
+    connection ends), or None to refuse the connection.
+    """
+
+    def __init__(self, on_event: Callable[[Event], None] | None = None,
+                 host: str = "127.0.0.1", port: int = 0, on_hello=None):
         self.token = secrets.token_hex(16)
         self._on_event = on_event
-        self._sock = socket.create_server((host, 0))
+        self._on_hello = on_hello
+        self._sock = socket.create_server((host, port))
         self._sock.setblocking(False)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._sel = selectors.DefaultSelector()
@@ -110,6 +125,12 @@ class TelemetryServer:
     def _drop(self, conn: _Conn) -> None:
         self._sel.unregister(conn.sock)
         conn.sock.close()
+        closed = getattr(conn.handler, "closed", None)
+        if closed is not None:
+            try:
+                closed()
+            except Exception:
+                pass
         if conn.rank is not None:
             with self._cond:
                 self._closed_ranks.add(conn.rank)
@@ -160,7 +181,7 @@ class TelemetryServer:
                 self.malformed += 1
                 continue
             try:
-                self._on_event(event)
+                conn.handler(event)
             except Exception:  # a broken sink must not end the channel
                 self.malformed += 1
 
@@ -174,7 +195,20 @@ class TelemetryServer:
             return False
         if not hmac.compare_digest(token.encode(), self.token.encode()):
             return False
-        conn.rank = rank
+        handler = self._on_event
+        if self._on_hello is not None:
+            try:
+                handler = self._on_hello({k: v for k, v in hello.items() if k != "token"})
+            except Exception:
+                handler = None
+        if handler is None:
+            return False
+        conn.rank, conn.handler = rank, handler
+        if hello.get("ack") is True:
+            try:
+                conn.sock.send(ACK)
+            except OSError:
+                return False
         return True
 
 
@@ -186,7 +220,8 @@ class TelemetryClient:
     """Worker side: ``send`` never blocks; a background thread writes batches."""
 
     def __init__(self, address: tuple[str, int], token: str, rank: int,
-                 capacity: int = 10_000, flush_interval: float = 0.05):
+                 capacity: int = 10_000, flush_interval: float = 0.05,
+                 connect_timeout: float = 30.0, hello: dict | None = None):
         self.rank = rank
         self.dropped = 0
         self._buf: collections.deque[bytes] = collections.deque()
@@ -195,9 +230,22 @@ class TelemetryClient:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closing = False
-        self._sock = socket.create_connection(tuple(address), timeout=30)
+        self.lost: str | None = None  # why the listener went away mid-run, if it did
+        self._sock = socket.create_connection(tuple(address), timeout=connect_timeout)
         self._sock.settimeout(None)
-        self._sock.sendall(frame(json.dumps({"token": token, "rank": rank}).encode()))
+        # hello: the token and rank, plus what a remote job says about itself (run id...)
+        greeting = {**(hello or {}), "token": token, "rank": rank}
+        try:
+            self._sock.sendall(frame(json.dumps(greeting).encode()))
+            if greeting.get("ack") is True:  # a listener elsewhere: did it take the token?
+                self._sock.settimeout(connect_timeout)
+                if self._sock.recv(1) != ACK:
+                    raise ConnectionRefusedError("the listener refused the connection "
+                                                 "(a wrong token?)")
+                self._sock.settimeout(None)
+        except BaseException:
+            self._sock.close()
+            raise
         self._thread = threading.Thread(target=self._loop, name="nbtrain-telemetry-send",
                                         daemon=True)
         self._thread.start()
@@ -223,7 +271,8 @@ class TelemetryClient:
             if chunk:
                 try:
                     self._sock.sendall(chunk)
-                except OSError:
+                except OSError as err:
+                    self.lost = f"{type(err).__name__}: {err}"
                     return  # the kernel is gone; the supervisor will notice
             if closing:
                 return
@@ -240,3 +289,20 @@ class TelemetryClient:
         except OSError:
             pass
         self._sock.close()
+
+
+def format_address(host: str, port: int, token: str) -> str:
+    """The one string a job needs to attach to a listener: ``host:port:token``."""
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{port}:{token}"
+
+
+def parse_address(text: str) -> tuple[str, int, str]:
+    """``host:port:token`` (as ``format_address`` writes it) -> (host, port, token)."""
+    head, _, token = text.strip().rpartition(":")
+    host, _, port = head.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not token:
+        raise ValueError(f"{text!r} is not a listener address: expected HOST:PORT:TOKEN, as "
+                         "watch.address gives it (watch = nbtrain.listen()).")
+    return host, int(port), token

@@ -1,0 +1,251 @@
+"""``launch()`` inside a process that torchrun (or another elastic launcher) started.
+
+torchrun already made the processes: each one is a rank (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` from its rendezvous). ``launch()`` then
+starts nothing: it joins the process group through ``env://`` and runs ``fn(ctx)`` here,
+through the worker's own ``execute`` (same ``Context``, strategies, seeding rule,
+checkpoints, result encoding). It returns, so the script goes on (a second ``launch()``
+reuses the process group).
+
+What each rank gets back: rank 0 a finished ``Run`` whose ``results`` hold every rank's
+return value and whose ``history`` every rank's events (both gathered to rank 0 at the
+end); the other ranks ``None``. A failing rank raises ``WorkerError`` in its own process,
+so torchrun sees it fail and ends the others. With ``NBTRAIN_ATTACH`` set (``nbtrain
+run --attach``), every rank also streams its events to a notebook's ``nbtrain.listen()``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+from ..errors import WorkerError
+from ..run import Run
+from ..spec import WorkerSpec
+from ..telemetry.channel import TelemetryClient, parse_address
+from ..telemetry.events import Event, decode, encode
+from ..telemetry.options import Telemetry
+from .devices import DevicePlan, resolve_accelerator
+from .worker import FAILURE, execute
+
+ATTACH_ENV = "NBTRAIN_ATTACH"
+WORKER_ENV = "NBTRAIN_WORKER"  # set in nbtrain's own workers: they are not torchrun ranks
+_NEEDED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_warned_attach = False
+
+
+def detected(environ=os.environ) -> bool:
+    """True in a process torchrun started: its rank variables are all set (and it is not
+    one of nbtrain's own workers, which set them too)."""
+    return all(environ.get(k) for k in _NEEDED) and not environ.get(WORKER_ENV)
+
+
+class _Finished:
+    """What ``Run`` reads from a supervisor, for ranks that already ran in-process."""
+
+    crash = None
+    teardown_cause = None
+
+    def __init__(self, results: list[bytes]):
+        self.done = threading.Event()
+        self.done.set()
+        self.workers = {rank: _Outcome(data) for rank, data in enumerate(results)}
+
+    def root_failure(self):
+        return None
+
+    def request_stop(self, reason: str) -> None:
+        pass
+
+
+class _Outcome:
+    def __init__(self, result: bytes):
+        self.result = result
+        self.failure = None
+
+
+class _Tee:
+    """The ``ctx``'s telemetry in a torchrun rank: each event is kept (rank 0 hands it to
+    its ``Run`` at once) and, when attached, sent on to a listener."""
+
+    def __init__(self, rank: int, keep, remote: TelemetryClient | None):
+        self.rank = rank
+        self.dropped = 0
+        self._keep = keep
+        self.remote = remote
+
+    def send(self, event: Event) -> None:
+        self._keep(event)
+        if self.remote is not None:
+            self.remote.send(event)
+
+    def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
+
+
+def run_in_process(fn, args, kwargs, strategy, accelerator: str, options: Telemetry,
+                   sinks, dashboard, resume: str | None, seed: int | None) -> Run | None:
+    """``fn(ctx, *args, **kwargs)`` as this process's rank; see the module docstring."""
+    import torch.distributed as dist
+
+    from .. import seeding
+
+    env = os.environ
+    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    local_rank = int(env["LOCAL_RANK"])
+    acc = resolve_accelerator(accelerator)
+    plan = DevicePlan(acc, tuple(range(world_size)))
+    strategy.check(plan)
+    if seed is not None:
+        seeding.base_seed(seed)  # checked on every rank alike
+    pg_timeout = 1800.0
+    _join(plan, local_rank, pg_timeout)  # kept for a later launch(); torchrun ends it
+    # One base seed and run id for the whole job, drawn on rank 0.
+    shared = [seeding.base_seed(seed), uuid.uuid4().hex[:12]] if rank == 0 else [None, None]
+    dist.broadcast_object_list(shared, src=0)
+    base_seed, run_id = shared
+    spec = WorkerSpec(
+        rank=rank, local_rank=local_rank, world_size=world_size, accelerator=acc,
+        device_index=local_rank if acc == "cuda" else None, backend=plan.backend,
+        store_host=env["MASTER_ADDR"], store_port=int(env["MASTER_PORT"]),
+        telemetry_address=None, telemetry_token="", num_threads=None,
+        pg_timeout_s=pg_timeout, parent_pid=os.getppid(), die_with_parent=False,
+        telemetry=options, resume_from=resume, seed=base_seed,
+        data_seed=seed if seed is not None else 0)
+    name = getattr(fn, "__name__", "fn")
+    run = None
+    kept: list[Event] = []
+    if rank == 0:
+        run = Run(name, strategy, plan, "torchrun", None, sinks, seed=base_seed)
+        if dashboard is not False and options.enabled:
+            view = run.attach_view(dashboard)
+            if view is not None:
+                view.start()
+    tee = None
+    if options.enabled:  # the same on every rank: _attach's collective matches
+        remote = _attach(spec, run_id, name, strategy.name)
+        tee = _Tee(rank, run._on_event if run is not None else kept.append, remote)
+    message = execute(spec, (fn, args, kwargs, strategy), telemetry=tee)
+    if tee is not None and tee.remote is not None and tee.remote.lost:
+        print(f"nbtrain: rank {rank} lost the listener at {_shown(os.environ[ATTACH_ENV])} "
+              f"mid-run ({tee.remote.lost}); training went on without it.",
+              file=sys.stderr, flush=True)
+    if message[:1] == FAILURE:
+        _raise(message)
+    results: list[bytes] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(message, results, dst=0)
+    events: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object((time.monotonic(), [encode(e) for e in kept]), events, dst=0)
+    if run is None:
+        return None
+    now = time.monotonic()
+    for then, rank_events in events[1:]:
+        offset = now - then  # onto rank 0's clock (other hosts have their own)
+        for data in rank_events:
+            event = decode(data)
+            if event is not None:
+                run._on_event(dataclasses.replace(event, t=event.t + offset))
+    run._attach(_Finished(results), [])
+    run.wait()
+    return run
+
+
+def _join(plan: DevicePlan, local_rank: int, timeout_s: float) -> None:
+    """Join torchrun's process group (env://), unless the script (or an earlier
+    ``launch()``) already did."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    init: dict[str, Any] = dict(backend=plan.backend, init_method="env://",
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    if plan.accelerator == "cuda":
+        torch.cuda.set_device(local_rank)
+        init["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(**init)
+    # The group nbtrain made, nbtrain ends when the script does. Left to the interpreter's
+    # exit, its C++ threads were destroyed still running: "terminate called without an
+    # active exception", SIGABRT, and the other agent waited until its timeout (seen on
+    # localhost c10d runs).
+    atexit.register(_leave, dist)
+
+
+def _leave(dist) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _raise(message: bytes) -> None:
+    body = json.loads(message[1:])
+    if body["type"] == "KeyboardInterrupt":
+        raise KeyboardInterrupt(body["message"])
+    label = "\n".join(f"[rank {body['rank']}] {line}"
+                      for line in body["traceback"].rstrip().splitlines())
+    raise WorkerError(body["rank"], body["type"], body["message"], label)
+
+
+def _attach(spec: WorkerSpec, run_id: str, name: str, strategy: str) -> TelemetryClient | None:
+    """A client to the listener named by ``NBTRAIN_ATTACH``, or None; a listener that
+    cannot be reached or refuses the token is said once (rank 0, for the whole job) and
+    training goes on."""
+    import torch.distributed as dist
+
+    address = os.environ.get(ATTACH_ENV, "").strip()
+    client, why = None, ""
+    # Every rank takes part in the all-gather below, attached or not, so a node that
+    # lacks NBTRAIN_ATTACH cannot leave the others in a different collective.
+    if address:
+        got = _connect(spec, address, run_id, name, strategy)
+        if isinstance(got, TelemetryClient):
+            client = got
+        else:
+            why = got
+    failures: list[Any] = [None] * spec.world_size
+    dist.all_gather_object(failures, why)
+    global _warned_attach
+    if spec.rank == 0 and any(failures) and not _warned_attach:
+        _warned_attach = True
+        ranks = [r for r, w in enumerate(failures) if w]
+        reason = next(w for w in failures if w)
+        print(f"nbtrain: could not attach to {_shown(address)} (rank{'s' * (len(ranks) > 1)} "
+              f"{', '.join(map(str, ranks))}: {reason}); training goes on without it.",
+              file=sys.stderr, flush=True)
+    return client
+
+
+def _connect(spec: WorkerSpec, address: str, run_id: str, name: str,
+             strategy: str) -> TelemetryClient | str:
+    """A client to the listener at ``address``, or why there is none."""
+    try:
+        host, port, token = parse_address(address)
+        hello = {"run": run_id, "world_size": spec.world_size, "name": name,
+                 "strategy": strategy, "accelerator": spec.accelerator,
+                 "host": socket.gethostname(), "seed": spec.seed, "ack": True,
+                 "t": time.monotonic()}
+        return TelemetryClient((host, port), token, spec.rank, connect_timeout=5.0,
+                               hello=hello)
+    except (OSError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"
+
+
+def _shown(address: str) -> str:
+    """The address without its token (logs are often shared)."""
+    try:
+        host, port, _ = parse_address(address)
+        return f"{host}:{port}"
+    except ValueError:
+        return "NBTRAIN_ATTACH"
+
+
+__all__ = ["ATTACH_ENV", "detected", "run_in_process"]
