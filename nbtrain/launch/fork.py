@@ -22,10 +22,12 @@ class ForkLauncher:
         self._context = multiprocessing.get_context("fork")
 
     def prepare(self, fn, args: tuple, kwargs: dict, strategy) -> Any:
-        warm_kernel(strategy.warm_imports)  # once per kernel, not once per worker
         return (fn, args, kwargs, strategy)
 
     def start(self, spec: WorkerSpec, payload: Any) -> WorkerHandle:
+        # What every worker would import, once per kernel (about 1 s the first time): here,
+        # after the run's header is on the page, not before it.
+        warm_kernel(payload[3].warm_imports)
         return start_with_context(self._context, spec, payload)
 
     def close(self) -> None:
