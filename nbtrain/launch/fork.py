@@ -26,8 +26,10 @@ class ForkLauncher:
 
     def start(self, spec: WorkerSpec, payload: Any) -> WorkerHandle:
         # What every worker would import, once per kernel (about 1 s the first time): here,
-        # after the run's header is on the page, not before it.
-        warm_kernel(payload[3].warm_imports)
+        # after the run's header is on the page, not before it. (A pool's workers get no
+        # payload; the pool warms the kernel itself.)
+        if payload is not None:
+            warm_kernel(payload[3].warm_imports)
         return start_with_context(self._context, spec, payload)
 
     def close(self) -> None:
