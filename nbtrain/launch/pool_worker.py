@@ -30,18 +30,17 @@ import os
 import pickle
 import signal
 import sys
-import traceback
 from typing import Any
 
 from .worker import (
     FAILURE,
     WorkerSpec,
-    _become_worker,
     _exit,
     encode_failure,
     encode_result,
     execute,
     init_distributed,
+    run_as_worker,
 )
 
 READY = b"R"  # the process group is up
@@ -57,12 +56,7 @@ class _State:
 def main(spec: WorkerSpec, payload: Any, control, out_w, err_w, commands) -> None:
     """Entry point of a pool worker process (``payload`` is unused: functions come as
     commands). Never returns: the process exits here."""
-    _become_worker(spec, out_w, err_w)
-    try:
-        serve(spec, commands, control)  # exits the process itself
-    except BaseException:  # the reporting itself failed; say so on stderr
-        traceback.print_exc()
-    _exit(1)
+    run_as_worker(spec, out_w, err_w, lambda: serve(spec, commands, control))
 
 
 def serve(spec: WorkerSpec, commands, control) -> None:

@@ -29,9 +29,15 @@ FAILURE = b"E"
 
 def main(spec: WorkerSpec, payload: Any, control, out_w, err_w) -> None:
     """Entry point of a worker process. Never returns: the process exits here."""
+    run_as_worker(spec, out_w, err_w, lambda: _run(spec, payload, control))
+
+
+def run_as_worker(spec: WorkerSpec, out_w, err_w, body) -> None:
+    """Become a worker (own process group, output to the pipes), then run ``body``, which
+    reports and exits the process itself; if the reporting fails, say so and exit."""
     _become_worker(spec, out_w, err_w)
     try:
-        _run(spec, payload, control)  # exits the process itself
+        body()
     except BaseException:  # the reporting itself failed; say so on stderr
         traceback.print_exc()
     _exit(1)
