@@ -1,6 +1,8 @@
 """CUDA/NCCL paths. CI has no GPU: these skip there and run with `pytest -m gpu` on a GPU
-machine. Anything that initialises CUDA runs in a subprocess, so it cannot make forking
-unsafe for the tests that follow."""
+machine. The test process never initialises CUDA (GPUs are counted through NVML, and
+anything else that needs CUDA runs in a worker or a subprocess), so its launches fork
+the way a user's first launch in a fresh kernel does, and each test says which way
+it went."""
 
 from __future__ import annotations
 
@@ -10,15 +12,29 @@ import textwrap
 
 import pytest
 import torch
-from workloads import param_count, train, train_single
+from kernel import Kernel
+from workloads import cpu_and_gpu_collectives, param_count, single_in_worker, train
 
 import nbtrain
+from nbtrain.checkpoint import exists
+from nbtrain.launch.devices import DevicePlan, cuda_device_count
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_leftovers")]
 
 
 def _ranks() -> int:
-    return min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    return min(2, cuda_device_count())
+
+
+def _single(precision=None) -> dict:
+    """The same training in one process, on a GPU, in a forked worker."""
+    run = nbtrain.launch(single_in_worker, precision, _ranks(), devices=1,
+                         accelerator="cuda", dashboard=False)
+    return run.result
+
+
+two_gpus = pytest.mark.skipif(cuda_device_count() < 2,
+                              reason="needs two GPUs; this machine has one")
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
@@ -31,8 +47,9 @@ def test_nccl_runs_match_one_process(strategy):
     n = _ranks()
     run = nbtrain.launch(train, devices=n, accelerator="cuda", strategy=strategy,
                          telemetry=nbtrain.Telemetry(memory_every=1))
+    assert run.start_method == "fork"  # nothing in this process touched CUDA
     assert all(r["device"] == f"cuda:{i}" for i, r in enumerate(run.results))
-    single = train_single(world_size=n)
+    single = _single()
     for name, value in single.items():
         torch.testing.assert_close(run.result["full"][name], value, rtol=1e-3, atol=1e-4)
     mem = run.history.events("memory", 0)[-1].values
@@ -60,9 +77,36 @@ def test_mixed_precision_trains(strategy, precision):
     chosen = nbtrain.strategies.get(strategy, mixed_precision=precision)
     run = nbtrain.launch(train, devices=_ranks(), accelerator="cuda", strategy=chosen)
     # The same recipe in one process (fp16: the loss scaler skips the same steps).
-    single = train_single(world_size=_ranks(), precision=precision, device="cuda")
+    single = _single(precision)
     for name, value in single.items():  # half precision: close, not equal
         torch.testing.assert_close(run.result["full"][name], value, rtol=1e-2, atol=5e-3)
+
+
+@pytest.mark.parametrize("strategy", nbtrain.strategies.names())
+def test_cpu_tensors_and_objects_travel_beside_nccl(strategy, tmp_path):
+    """The process group is cpu:gloo,cuda:nccl on every strategy: CPU tensors, Python
+    objects and a sharded checkpoint's planning go through gloo, GPU tensors through NCCL."""
+    n = _ranks()
+    why = nbtrain.strategies.unavailable(DevicePlan("cuda", tuple(range(n))), [strategy])
+    if why:
+        pytest.skip(why[strategy])
+    run = nbtrain.launch(cpu_and_gpu_collectives, str(tmp_path / "ckpt"), devices=n,
+                         accelerator="cuda", strategy=strategy, dashboard=False)
+    total = n * (n + 1) / 2
+    for rank, r in enumerate(run.results):
+        assert r["cpu"] == r["gpu"] == total and r["device"] == f"cuda:{rank}", r
+        assert r["objects"] == [{"rank": i} for i in range(n)]
+    assert exists(tmp_path / "ckpt")
+
+
+@two_gpus
+def test_two_gpus_hold_half_the_model_each_under_fsdp():
+    run = nbtrain.launch(train, devices=2, accelerator="cuda", strategy="fsdp",
+                         telemetry=nbtrain.Telemetry(memory_every=1))
+    for rank in (0, 1):
+        mem = run.history.events("memory", rank)[-1].values
+        assert mem["params"] <= 0.55 * 4 * param_count(), mem
+        assert run.results[rank]["device"] == f"cuda:{rank}"
 
 
 def test_fork_after_cuda_init_falls_back_to_spawn_or_refuses():
@@ -149,3 +193,49 @@ def test_pool_frees_a_runs_cuda_memory_before_the_next():
         assert peaks[1] <= peaks[0] * 1.05, peaks
         for name, value in first.result["full"].items():
             torch.testing.assert_close(second.result["full"][name], value)
+
+
+FIRST_STEP = """
+import sys, warnings
+from torch import nn
+
+def first_step(ctx):
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = ctx.setup(model, opt)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    for x, y in ctx.dataloader(data, batch_size=16):
+        ctx.backward(nn.functional.cross_entropy(model(x), y))
+        opt.step()
+        break
+    return sorted(set(sys.modules) - KERNEL_MODULES)
+
+def launched():
+    global KERNEL_MODULES
+    KERNEL_MODULES = set(sys.modules)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = nbtrain.launch(first_step, devices=N, accelerator="cuda")
+    return run.start_method, run.results[0], [str(w.message) for w in caught]
+"""
+
+
+def test_a_fresh_kernel_forks_starts_warm_and_says_why_it_spawns():
+    """What a user sees on a GPU machine: a fresh kernel's launches fork, later ones import
+    next to nothing in the workers, and after torch.cuda.is_available() the launch spawns
+    and the warning names that call."""
+    kernel = Kernel(startup=f"import nbtrain, torch; N = {_ranks()}")
+    try:
+        assert kernel.run(FIRST_STEP).error is None
+        for launch in range(3):
+            method, new, warned = kernel.value("launched()")
+            assert method == "fork" and not warned, (method, warned)
+            if launch:  # the first launch's workers import what the kernel had not
+                assert len(new) < 40 and not any(m.startswith("torch._dynamo") for m in new), \
+                    (len(new), new[:60])
+        assert kernel.value("torch.cuda.is_available()") is True
+        method, _, warned = kernel.value("launched()")
+        assert method == "spawn", method
+        assert any("CUDA was queried through torch" in w for w in warned), warned
+    finally:
+        kernel.shutdown()

@@ -23,6 +23,7 @@ from workloads import (
 
 import nbtrain
 from nbtrain import strategies
+from nbtrain.launch.devices import cuda_device_count
 from nbtrain.telemetry.events import Comm, Memory
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -132,6 +133,11 @@ def test_fp16_skips_the_steps_one_process_skips(strategy):
     assert max((run.result["full"][k] - v).abs().max() for k, v in fp32.items()) > 0.01
 
 
+# Compared with one process that sees both ranks' batches (tests/test_gpu.py runs the
+# same paths on however many GPUs there are).
+two_gpus = pytest.mark.skipif(cuda_device_count() < 2, reason="needs two GPUs")
+
+
 def test_fp16_and_offload_arguments_are_checked_without_a_gpu():
     assert strategies.get("ddp", mixed_precision="fp16").mixed_precision == "fp16"
     with pytest.raises(ValueError, match="mixed_precision='fp32'"):
@@ -141,6 +147,7 @@ def test_fp16_and_offload_arguments_are_checked_without_a_gpu():
 
 
 @pytest.mark.gpu
+@two_gpus
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_fp16_on_cuda_computes_what_one_process_computes(strategy):
     want = technique_single(clip=1.0)
@@ -151,6 +158,7 @@ def test_fp16_on_cuda_computes_what_one_process_computes(strategy):
 
 
 @pytest.mark.gpu
+@two_gpus
 def test_offload_on_cuda_trains_what_one_process_trains(single):
     run = nbtrain.launch(technique_train, devices=2, accelerator="cuda",
                          strategy="fsdp_offload", dashboard=False)

@@ -429,3 +429,30 @@ def paced(ctx, gate, steps=20):
         ctx.log(x=float(i))
         time.sleep(0.02)
     return ctx.rank
+
+
+def single_in_worker(ctx, precision=None, world_size=2):
+    """``train_single`` on this rank's GPU, so the test process never touches CUDA (which
+    would make every later launch in it spawn instead of fork)."""
+    return train_single(world_size=world_size, precision=precision, device=str(ctx.device))
+
+
+def cpu_and_gpu_collectives(ctx, directory):
+    """One step with the strategy, then what a user and torch's checkpointing do beside
+    the model: a CPU all-reduce, a GPU all-reduce, Python objects, a sharded save."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = ctx.setup(model, opt)
+    x, y = (t[:16].to(ctx.device) for t in dataset().tensors)
+    ctx.backward(nn.functional.cross_entropy(model(x), y))
+    opt.step()
+    on_cpu = torch.full((1,), float(ctx.rank + 1))
+    dist.all_reduce(on_cpu)
+    on_gpu = torch.full((1,), float(ctx.rank + 1), device=ctx.device)
+    dist.all_reduce(on_gpu)
+    objects = [None] * ctx.world_size
+    dist.all_gather_object(objects, {"rank": ctx.rank})
+    ctx.save(directory, {"model": model, "optimizer": opt})
+    return {"cpu": on_cpu.item(), "gpu": on_gpu.item(), "objects": objects,
+            "device": str(ctx.device)}
