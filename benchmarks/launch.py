@@ -3,15 +3,16 @@
 Each launcher runs in a real Jupyter kernel of its own (jupyter_client, the way Jupyter
 drives one), with its defaults on: nbtrain's telemetry and dashboard, Lightning's
 progress bar. The workload is what a user writes: a 0.92M-parameter MLP, AdamW, a
-DataLoader of 2 ranks on CPU (gloo). The kernels are alive at the same time and take
+DataLoader, on 2 CPU ranks (gloo) or on the GPUs (NCCL, up to 2; one is enough). The kernels are alive at the same time and take
 turns, so load on the machine falls on every launcher alike. Ratios are to Lightning's
 ``Trainer(strategy="ddp_notebook")``, the usual way to train from a notebook.
 
   first launch:   the kernel's first launch after `import` (a user's first run)
   call -> step:   later launches, from the call until rank 0 starts its first step
-  call -> error:  later launches, until the call raises, rank 1 having raised at once
+  call -> error:  later launches, until the call raises, the last rank having raised at once
 
     python benchmarks/launch.py [--repeats 5]
+    python benchmarks/launch.py --accelerator cuda     # on a GPU machine
 
 Lightning and accelerate come from ``pip install -e ".[bench]"`` (skipped without them).
 """
@@ -65,8 +66,8 @@ def train(ctx, fail):
     for x, y in ctx.dataloader(make_data(), batch_size=64, shuffle=True):
         if ctx.rank == 0:
             stamp()
-        if fail and ctx.rank == 1:
-            raise ValueError("rank 1 fails on purpose")
+        if fail and ctx.rank == FAIL_RANK:
+            raise ValueError("a rank fails on purpose")
         loss = nn.functional.cross_entropy(model(x), y)
         ctx.backward(loss)
         opt.step()
@@ -78,7 +79,8 @@ def train(ctx, fail):
 def measure(fail):
     t = time.monotonic()
     try:
-        nbtrain.launch(train, fail, devices=2, accelerator="cpu", start_method=METHOD)
+        nbtrain.launch(train, fail, devices=DEVICES, accelerator=ACC,
+                       start_method=METHOD)
     except nbtrain.WorkerError:
         return time.monotonic() - t
     return since(t)
@@ -95,8 +97,8 @@ class Module(L.LightningModule):
     def training_step(self, batch, i):
         if self.global_rank == 0 and i == 0:
             stamp()
-        if self.fail and self.global_rank == 1:
-            raise ValueError("rank 1 fails on purpose")
+        if self.fail and self.global_rank == FAIL_RANK:
+            raise ValueError("a rank fails on purpose")
         x, y = batch
         return nn.functional.cross_entropy(self.net(x), y)
 
@@ -104,7 +106,7 @@ class Module(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 def measure(fail):
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_notebook", max_steps=1,
+    trainer = L.Trainer(accelerator=ACC, devices=DEVICES, strategy="ddp_notebook", max_steps=1,
                         logger=False, enable_checkpointing=False)
     loader = torch.utils.data.DataLoader(make_data(), batch_size=64, shuffle=True)
     t = time.monotonic()
@@ -119,7 +121,7 @@ ACCELERATE = """
 from accelerate import Accelerator, notebook_launcher
 
 def train(fail):
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=ACC == "cpu")
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(make_data(), batch_size=64, shuffle=True)
@@ -127,8 +129,8 @@ def train(fail):
     for x, y in loader:
         if accelerator.process_index == 0:
             stamp()
-        if fail and accelerator.process_index == 1:
-            raise ValueError("rank 1 fails on purpose")
+        if fail and accelerator.process_index == FAIL_RANK:
+            raise ValueError("a rank fails on purpose")
         loss = nn.functional.cross_entropy(model(x), y)
         accelerator.backward(loss)
         opt.step()
@@ -137,7 +139,7 @@ def train(fail):
 def measure(fail):
     t = time.monotonic()
     try:
-        notebook_launcher(train, (fail,), num_processes=2)
+        notebook_launcher(train, (fail,), num_processes=DEVICES)
     except Exception:
         return time.monotonic() - t
     return since(t)
@@ -180,8 +182,15 @@ def measure(kernel: Kernel, fail: bool) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="ranks (default: 2 on CPU, up to 2 GPUs on cuda)")
     args = parser.parse_args()
-    codes = contenders()
+    if args.accelerator == "cuda" and not torch.cuda.device_count():  # NVML: no CUDA init
+        parser.error("--accelerator cuda: this machine shows no GPU")
+    n = args.devices or (2 if args.accelerator == "cpu" else min(2, torch.cuda.device_count()))
+    where = f"ACC = {args.accelerator!r}; DEVICES = {n}; FAIL_RANK = {n - 1}\n"
+    codes = {name: where + code for name, code in contenders().items()}
     kernels = {name: Kernel(startup=textwrap.dedent(COMMON)) for name in codes}
     try:
         first, times = {}, {name: {"step": [], "error": []} for name in codes}
@@ -200,7 +209,9 @@ def main() -> None:
             kernel.shutdown()
     med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
     base = BASE if BASE in med else "nbtrain fork"
-    print(f"\nIn a Jupyter kernel each: 2 ranks on CPU (gloo), 0.92M-parameter MLP + AdamW, "
+    ranks = (f"{n} ranks on CPU (gloo)" if args.accelerator == "cpu" else
+             f"{n} x {torch.cuda.get_device_name(0)} (NCCL)")
+    print(f"\nIn a Jupyter kernel each: {ranks}, 0.92M-parameter MLP + AdamW, "
           f"defaults on; {os.cpu_count()} cores, torch {torch.__version__}; median of "
           f"{args.repeats} later launches; ratios to {base}")
     print(f"{'launcher':30s} {'first launch':>12s} {'call->step':>11s} {'ratio':>6s} "
