@@ -115,6 +115,22 @@ def test_a_rank_that_exits_without_returning():
         nbtrain.launch(fail_on, "exit", devices=2)
 
 
+def test_a_script_that_spawns_at_import_is_told_to_guard_it(tmp_path):
+    """Spawn imports the main script again in each worker; a script that launches at
+    import gets told so by the worker and by the error, not just "exited with code 1"."""
+    script = tmp_path / "train.py"
+    script.write_text("import nbtrain\n\ndef train(ctx):\n    return ctx.rank\n\n"
+                      "nbtrain.launch(train, devices=2, accelerator='cpu', "
+                      "start_method='spawn', dashboard=False)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path)
+    assert done.returncode == 1
+    assert "the script launches workers at import" in done.stderr  # from the worker
+    assert "WorkerError: rank" in done.stderr and "exited with code 1" in done.stderr
+    assert 'put the launch under `if __name__ == "__main__":`' in done.stderr.split(
+        "WorkerError")[-1]  # the kernel's error says it too
+
+
 def test_a_hang_ends_at_the_timeout_naming_the_ranks():
     t = time.monotonic()
     with pytest.raises(nbtrain.RunTimeoutError) as info:

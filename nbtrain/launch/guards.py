@@ -116,10 +116,25 @@ def fork_unsafe_reason() -> str | None:
     return None
 
 
+def importing_main_in_spawned_worker() -> bool:
+    """Is this a spawned worker still importing the script that started it? (Spawn runs
+    the parent's main module again in each worker, as ``__mp_main__``.)"""
+    for name in ("multiprocess.process", "multiprocessing.process"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module.current_process(), "_inheriting", False):
+            return True
+    return False
+
+
 def choose_start_method(requested: str) -> StartMethod:
     """``"auto"``: fork when safe, else spawn with a one-line warning saying why."""
     if requested not in START_METHODS:
         raise ValueError(f"start_method={requested!r} is not one of {START_METHODS}.")
+    if importing_main_in_spawned_worker():
+        raise RuntimeError(
+            "nbtrain: a spawned worker imports the script that started it, and the script "
+            "launches workers at import. Put the launch under `if __name__ == \"__main__\":` "
+            "in the script (a notebook cell is never imported again).")
     reason = fork_unsafe_reason()
     if requested == "fork":
         if reason:
