@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,15 @@ class Kernel:
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=120)
+        # On a timeout, SIGUSR1 makes the kernel (and its forked workers, which inherit
+        # the handler) write every thread's Python stack here: a hang seen once in CI
+        # can then be read, not guessed.
+        self._stacks = tempfile.NamedTemporaryFile("w+", prefix="nbtrain-stacks-",
+                                                   suffix=".txt", delete=False)
+        reply = self.run("import faulthandler as _fh, signal as _sig\n"
+                         f"_fh.register(_sig.SIGUSR1, file=open({self._stacks.name!r}, 'a'), "
+                         "all_threads=True)")
+        assert reply.error is None, reply.error
         if startup:
             reply = self.run(startup)
             assert reply.error is None, reply.error
@@ -61,7 +71,8 @@ class Kernel:
                 return reply
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"no idle from the kernel within {timeout}s; got {reply}")
+                raise TimeoutError(f"no idle from the kernel within {timeout}s; got {reply}"
+                                   f"\n\nPython stacks at the timeout:\n{self.stacks()}")
             try:
                 msg = self.kc.get_iopub_msg(timeout=left)
             except Empty:
@@ -100,6 +111,29 @@ class Kernel:
 
         return ast.literal_eval(reply.results[-1])
 
+    def stacks(self) -> str:
+        """Every thread's Python stack in the kernel and in its forked workers, now."""
+        import psutil
+
+        kernel = psutil.Process(self.pid)
+        forked = []  # copies of the kernel (same command line); others have no handler
+        for p in kernel.children(recursive=True):
+            try:
+                if p.cmdline() == kernel.cmdline():
+                    forked.append(p.pid)
+            except psutil.Error:
+                pass
+        for pid in [self.pid, *forked]:  # one at a time, so their lines do not mix
+            with open(self._stacks.name, "a") as f:
+                f.write(f"\n--- {'kernel' if pid == self.pid else 'forked worker'} {pid}\n")
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                continue
+            time.sleep(0.5)
+        with open(self._stacks.name) as f:
+            return f.read()[-30_000:]
+
     def interrupt_group(self) -> None:
         """What Jupyter's interrupt does: SIGINT to the kernel's whole process group."""
         self.km.interrupt_kernel()
@@ -112,3 +146,4 @@ class Kernel:
             self.kc.stop_channels()
         finally:
             self.km.shutdown_kernel(now=True)
+            os.unlink(self._stacks.name)
