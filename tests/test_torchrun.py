@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from workloads import train
+from workloads import ckpt_train, train
 
 import nbtrain
 
@@ -88,6 +88,15 @@ def test_two_torchrun_nodes_train_what_launch_trains(strategy, tmp_path):
                                    msg=f"{strategy}: {name} differs from launch()")
     assert [r["loss"] for r in got["results"]] == pytest.approx(
         [r["loss"] for r in local.results], rel=1e-5)
+
+    # a checkpoint written by torchrun's ranks, resumed by torchrun's ranks, ends where
+    # 8 uninterrupted steps under launch() end
+    assert [r["first"] for r in got["resumed"]] == [4, 4]
+    whole = nbtrain.launch(ckpt_train, devices=2, accelerator="cpu", strategy=strategy,
+                           telemetry=False, dashboard=False)
+    for name, value in whole.result["full"].items():
+        torch.testing.assert_close(got["resumed"][0]["full"][name], value, rtol=1e-5,
+                                   atol=1e-6, msg=f"{strategy}: resumed {name} differs")
 
 
 def test_nbtrain_run_reads_the_function_and_its_arguments():
