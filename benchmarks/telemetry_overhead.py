@@ -9,7 +9,12 @@ run's steps/s is measured inside rank 0's loop (launch and teardown excluded).
 On a shared 2-core machine one run's speed wanders by ±10 %, so a ratio of two runs says
 little. Each round's ratio to its own "off" run cancels the drift between rounds; the
 median of those paired ratios comes with a 90 % bootstrap interval: a cost of 3 % or more
-shows as an interval that lies below 0.97; noise, as a wide one around 1.
+shows as an interval that lies below 0.97; noise, as a wide one around 1. Even so, on a
+shared 2-core machine DDP's ratio has moved between invocations by more than its interval
+(0.92 to 0.99). So a second measure follows that noise cannot hide: the microseconds
+telemetry adds to a step, from a 1-rank run of a tiny model whose step takes a few
+hundred microseconds (launch and the first 50 steps excluded). At a step time T the
+ratio is then T / (T + added).
 
     python benchmarks/telemetry_overhead.py [--steps 200] [--rounds 12] [--modes default]
 """
@@ -58,6 +63,37 @@ def train(ctx, steps: int):
     return (steps - 10) / (time.perf_counter() - start)
 
 
+def tiny(ctx, steps: int):
+    """A step of a few hundred microseconds, so what telemetry adds is most of the difference."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, opt = ctx.setup(model, opt)
+    data = torch.utils.data.TensorDataset(torch.randn(4 * steps, 8),
+                                          torch.randint(0, 2, (4 * steps,)))
+    start = None
+    for i, (x, y) in enumerate(ctx.dataloader(data, batch_size=4)):
+        if i == 50:
+            start = time.perf_counter()
+        loss = nn.functional.cross_entropy(model(x), y)
+        ctx.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        ctx.log(loss=loss)
+    return (time.perf_counter() - start) / (steps - 50)
+
+
+def added_per_step(strategy: str, rounds: int = 6, steps: int = 3000) -> tuple[float, float]:
+    """Median seconds per step with telemetry off and on (the default), 1 rank."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(rounds):
+        for on in ((False, True) if i % 2 == 0 else (True, False)):
+            times[on].append(nbtrain.launch(tiny, steps, devices=1, accelerator="cpu",
+                                            strategy=strategy, telemetry=on,
+                                            dashboard=False).result)
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
 def paired_interval(values: list[float], base: list[float], draws: int = 2000,
                     seed: int = 0) -> tuple[float, float, float]:
     """Median of the per-round ratios, and a 90 % bootstrap interval around it."""
@@ -96,6 +132,13 @@ def main() -> None:
             med, low, high = paired_interval(values, rates["off"])
             print(f"{mode:28s} {statistics.median(values):9.1f} {med:20.3f} "
                   f"{low:7.3f}-{high:.3f}")
+    print("\nWhat default telemetry adds to a step (1 rank, a tiny model, median of 6 rounds):")
+    for strategy in args.strategies.split(","):
+        off, on = added_per_step(strategy)
+        added = on - off
+        print(f"  {strategy:14s} {off * 1e6:6.0f} us/step off, {on * 1e6:6.0f} on: adds "
+              f"{added * 1e6:4.0f} us; ratio >= 0.97 for steps of {added * 32e3:.1f} ms "
+              "and longer")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,23 @@ def test_every_event_arrives_in_order_per_rank():
         assert steps == list(range(500))
 
 
+def test_an_event_that_cannot_be_encoded_is_counted_and_the_stream_goes_on():
+    """Events are encoded by the sender thread: one bad event must not end the stream."""
+    sink = Collect()
+    server = TelemetryServer(sink)
+    try:
+        client = TelemetryClient(server.address, server.token, 0)
+        client.send(Metric(rank=0, step=0, t=0.0, values={"x": 1.0}))
+        client.send(Metric(rank=0, step=1, t=0.0, values={"x": object()}))  # not JSON
+        client.send(Metric(rank=0, step=2, t=0.0, values={"x": 3.0}))
+        client.close()
+        assert server.wait_closed({0}, timeout=10)
+    finally:
+        server.close()
+    assert [e.step for e in sink.events] == [0, 2]
+    assert client.dropped == 1
+
+
 def _hung_up(sock) -> bool:
     """The server closed the connection: end-of-file, or a reset when it closed with our
     bytes still unread (the kernel then answers with RST instead of FIN)."""

@@ -9,9 +9,9 @@ length and a JSON body. The first frame of a connection must carry the token; a 
 or missing token closes the connection. Oversized frames are skipped, malformed ones
 are dropped and counted; neither harms the run.
 
-On the worker, ``send`` only appends to a bounded buffer that a background thread
-flushes, so a slow kernel never stalls a training step; events that do not fit are
-dropped and counted.
+On the worker, ``send`` only appends the event to a bounded buffer that a background
+thread encodes and flushes, so neither encoding nor a slow kernel stalls a training
+step; events that do not fit are dropped and counted.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ class TelemetryClient:
                  connect_timeout: float = 30.0, hello: dict | None = None):
         self.rank = rank
         self.dropped = 0
-        self._buf: collections.deque[bytes] = collections.deque()
+        self._buf: collections.deque[Event] = collections.deque()
         self._capacity = capacity
         self._interval = flush_interval
         self._lock = threading.Lock()
@@ -251,18 +251,25 @@ class TelemetryClient:
         self._thread.start()
 
     def send(self, event: Event) -> None:
-        data = frame(encode(event))
+        # The training loop only queues the (frozen) event; the sender thread encodes
+        # it, often while the loop is in torch's C++ code without the GIL.
         with self._lock:
             if len(self._buf) >= self._capacity:
                 self.dropped += 1
                 return
-            self._buf.append(data)
+            self._buf.append(event)
 
     def _take(self) -> bytes:
         with self._lock:
-            chunk = b"".join(self._buf)
+            events = list(self._buf)
             self._buf.clear()
-        return chunk
+        frames = []
+        for event in events:
+            try:
+                frames.append(frame(encode(event)))
+            except Exception:  # one event that cannot be encoded must not end the stream
+                self.dropped += 1
+        return b"".join(frames)
 
     def _loop(self) -> None:
         while True:
