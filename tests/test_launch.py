@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -248,3 +249,59 @@ def test_cell_files_are_named_as_ipython_names_them(monkeypatch):
             'ZeroDivisionError: integer division or modulo by zero\n')
     finally:
         del linecache.cache["/tmp/ipykernel_1/42.py"]
+
+
+# -- starting and ending workers when interrupted ---------------------------------------
+def test_an_interrupt_while_a_worker_starts_arrives_after_its_handle_is_kept():
+    from nbtrain.launch.launcher import interrupts_deferred
+
+    kept = []
+    with pytest.raises(KeyboardInterrupt), interrupts_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # Python runs signal handlers between bytecodes
+        kept.append("handle")
+    assert kept == ["handle"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_kill_group_ends_a_worker_that_is_not_yet_its_own_group():
+    """A spawned worker joins its own process group only once nbtrain's code runs in it;
+    before that (importing torch) killpg finds no group, and the worker must still end."""
+    from nbtrain.launch.supervisor import kill_group
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert os.getpgid(child.pid) == os.getpgid(0)  # still in ours, as after exec
+        kill_group(child.pid, signal.SIGKILL)
+        assert child.wait(timeout=10) == -signal.SIGKILL
+        kill_group(child.pid, signal.SIGKILL)  # reaped: its number is left alone
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_stopping_the_resource_tracker_never_hangs_on_a_leftover_holder():
+    """multiprocess's tracker exits when every copy of its pipe closes; a process still
+    holding one made ``_stop()`` wait forever in the kernel."""
+    from multiprocess import resource_tracker
+
+    from nbtrain.launch.spawn import _stop_tracker
+
+    tracker = resource_tracker.ResourceTracker()
+    tracker.ensure_running()
+    pid = tracker._pid
+    holder = os.fork()
+    if holder == 0:  # holds the tracker's pipe, as a worker left alive would
+        time.sleep(60)
+        os._exit(0)
+    try:
+        start = time.monotonic()
+        _stop_tracker(tracker, timeout=1.0)
+        assert time.monotonic() - start < 10
+        assert tracker._fd is None and tracker._pid is None
+        with pytest.raises(ChildProcessError):  # ended and reaped
+            os.waitpid(pid, os.WNOHANG)
+    finally:
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)

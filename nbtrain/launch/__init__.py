@@ -21,7 +21,7 @@ from ..telemetry.sinks import Sink
 from .devices import parse_devices, threads_per_worker
 from .fork import ForkLauncher
 from .guards import choose_start_method, fork_threads
-from .launcher import Launcher
+from .launcher import Launcher, interrupts_deferred
 from .spawn import SpawnLauncher
 from .supervisor import Supervisor, kill_group
 from .torchrun import detected as under_torchrun
@@ -193,7 +193,8 @@ def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetr
                 die_with_parent=threading.current_thread() is threading.main_thread(),
                 telemetry=telemetry, resume_from=resume, seed=run.seed,
                 data_seed=data_seed)
-            handles.append(launcher.start(spec, payload))
+            with interrupts_deferred():  # a started worker always has a handle
+                handles.append(launcher.start(spec, payload))
         del store
     except BaseException:
         for h in handles:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -72,3 +75,28 @@ def start_with_context(mp_context, spec: WorkerSpec, payload: Any) -> WorkerHand
     except OSError:
         pass
     return WorkerHandle(spec.rank, process, control_r, out_r, err_r, cmd_w)
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """An interrupt (SIGINT) that arrives inside the block is raised when it ends.
+
+    Starting a worker and recording its handle must not be cut in two: an interrupt
+    between the child's creation and ``handles.append`` left a process nobody ended
+    or reaped. Only the main thread receives KeyboardInterrupt; elsewhere this does
+    nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            if callable(previous):
+                previous(signal.SIGINT, held[-1])  # Python's: raises KeyboardInterrupt
+            elif previous == signal.SIG_DFL:
+                raise KeyboardInterrupt

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..spec import WorkerSpec
-from .launcher import WorkerHandle
+from .launcher import WorkerHandle, interrupts_deferred
 from .pool_op import INTERRUPT_GRACE_S, PoolOp, RankCellError, cell_error
 from .supervisor import kill_group
 from .worker import RESULT_PICKLE
@@ -131,7 +131,8 @@ class RankPool:
                     pg_timeout_s=self._pg_timeout, parent_pid=os.getpid(),
                     die_with_parent=threading.current_thread() is threading.main_thread(),
                     pool=True)
-                handles.append(launcher.start(spec, None))
+                with interrupts_deferred():  # a started worker always has a handle
+                    handles.append(launcher.start(spec, None))
             self._handles, self._launcher, self._store = handles, launcher, store
             op = self._begin(list(range(self.world_size)), None, None)
             self._finish(op)

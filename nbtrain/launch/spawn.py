@@ -8,7 +8,11 @@ imports torch again.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
+import time
 from typing import Any
 
 from ..spec import WorkerSpec
@@ -42,10 +46,7 @@ class SpawnLauncher:
             self._counted = False
             SpawnLauncher._active -= 1
             if SpawnLauncher._active == 0 and SpawnLauncher._owns_tracker:
-                try:
-                    self._tracker._stop()
-                except Exception:
-                    pass
+                _stop_tracker(self._tracker)
 
     def prepare(self, fn, args: tuple, kwargs: dict, strategy) -> bytes:
         return serialize(fn, args, kwargs, strategy, "spawned workers",
@@ -59,6 +60,35 @@ class SpawnLauncher:
                 SpawnLauncher._active += 1
                 self._counted = True
         return start_with_context(self._context, spec, payload)
+
+
+def _stop_tracker(tracker, timeout: float = 5.0) -> None:
+    """Stop multiprocess's resource tracker, never waiting on it for long.
+
+    The tracker exits when every copy of its pipe's write end is closed; ``_stop()``
+    closes the kernel's and then waits for it without a limit, so one spawned worker
+    left alive would hang the kernel there. Here a tracker still running after
+    ``timeout`` is killed.
+    """
+    with tracker._lock:
+        fd, pid = tracker._fd, tracker._pid
+        if fd is None:
+            return
+        tracker._fd = tracker._pid = None
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    if pid is None:
+        return
+    deadline = time.monotonic() + timeout
+    try:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return
+            time.sleep(0.01)
+    except ChildProcessError:
+        pass
 
 
 def serialize(fn, args: tuple, kwargs: dict, strategy, where: str, remedy: str) -> bytes:

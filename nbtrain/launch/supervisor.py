@@ -281,10 +281,20 @@ def _poll(conn) -> bool:
 
 
 def kill_group(pid: int, sig: int) -> None:
-    try:
+    """Signal a worker and whatever it started (its process group).
+
+    The worker itself is also signalled by pid: a spawned worker becomes a group leader
+    only once its interpreter runs nbtrain's code (the kernel's ``setpgid`` fails after
+    the child's exec), and until then ``killpg`` finds no such group (an interrupted
+    start left such a worker alive). Only while ``pid`` is a live child of this process:
+    once reaped, the number may belong to someone else.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
-    except PermissionError:
+    try:
+        alive = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:  # reaped already, or not our child
+        return
+    if alive:
         with contextlib.suppress(OSError):
             os.kill(pid, sig)
