@@ -3,11 +3,15 @@
 Each launcher runs in a real Jupyter kernel of its own (jupyter_client, the way Jupyter
 drives one), with its defaults on: nbtrain's telemetry and dashboard, Lightning's
 progress bar. The workload is what a user writes: a 0.92M-parameter MLP, AdamW, a
-DataLoader, on 2 CPU ranks (gloo) or on the GPUs (NCCL, up to 2; one is enough). The kernels are alive at the same time and take
-turns, so load on the machine falls on every launcher alike. Ratios are to Lightning's
+DataLoader, on 2 CPU ranks (gloo) or on the GPUs (NCCL, up to 2; one is enough). The
+kernels are alive at the same time and take turns, so load on the machine falls on every
+launcher alike. Ratios are to Lightning's
 ``Trainer(strategy="ddp_notebook")``, the usual way to train from a notebook.
 
-  first launch:   the kernel's first launch after `import` (a user's first run)
+  import:         the library's own import (torch is imported already)
+  first launch:   the kernel's first launch after the import, to rank 0's first step
+  sum:            both: what a user waits for in a fresh kernel (a library that warms
+                  up at import pays there, nbtrain pays at its first launch)
   call -> step:   later launches, from the call until rank 0 starts its first step
   call -> error:  later launches, until the call raises, the last rank having raised at once
 
@@ -57,7 +61,6 @@ def make_data():
 """
 
 NBTRAIN = """
-import nbtrain
 
 def train(ctx, fail):
     model = make_model()
@@ -87,7 +90,6 @@ def measure(fail):
 """
 
 LIGHTNING = """
-import lightning as L
 
 class Module(L.LightningModule):
     def __init__(self, fail):
@@ -118,7 +120,6 @@ def measure(fail):
 """
 
 ACCELERATE = """
-from accelerate import Accelerator, notebook_launcher
 
 def train(fail):
     accelerator = Accelerator(cpu=ACC == "cpu")
@@ -146,6 +147,10 @@ def measure(fail):
 """
 
 BASE = "Lightning ddp_notebook"
+# Each library's own import (torch is imported already), timed in its kernel.
+IMPORTS = {"nbtrain fork": "import nbtrain", "nbtrain spawn": "import nbtrain",
+           BASE: "import lightning as L",
+           "accelerate notebook_launcher": "from accelerate import Accelerator, notebook_launcher"}
 
 
 def _available(module: str) -> bool:
@@ -166,9 +171,10 @@ def contenders() -> dict[str, str]:
     return found
 
 
-def value(kernel: Kernel, expr: str, timeout: float = 300):
-    """``expr`` evaluated in ``kernel``, through JSON."""
-    reply = kernel.run(f"print(json.dumps({expr}))", timeout=timeout)
+def value(kernel: Kernel, expr: str, timeout: float = 300, before: str = ""):
+    """``expr`` evaluated in ``kernel`` (after the lines ``before``, in the same cell),
+    through JSON."""
+    reply = kernel.run(f"{before}print(json.dumps({expr}))", timeout=timeout)
     if reply.error:
         raise RuntimeError(f"{reply.error['ename']}: {reply.error['evalue']}\n"
                            + "\n".join(reply.error["traceback"]))
@@ -194,7 +200,10 @@ def main() -> None:
     kernels = {name: Kernel(startup=textwrap.dedent(COMMON)) for name in codes}
     try:
         first, times = {}, {name: {"step": [], "error": []} for name in codes}
-        for name, kernel in kernels.items():  # the definitions, in a cell of their own
+        imported = {}
+        for name, kernel in kernels.items():  # the import, then the definitions
+            imported[name] = value(kernel, "time.monotonic() - _t",
+                                   before=f"_t = time.monotonic()\n{IMPORTS[name]}\n")
             reply = kernel.run(codes[name])
             if reply.error:
                 raise RuntimeError(f"{name}: {reply.error['evalue']}")
@@ -214,11 +223,13 @@ def main() -> None:
     print(f"\nIn a Jupyter kernel each: {ranks}, 0.92M-parameter MLP + AdamW, "
           f"defaults on; {os.cpu_count()} cores, torch {torch.__version__}; median of "
           f"{args.repeats} later launches; ratios to {base}")
-    print(f"{'launcher':30s} {'first launch':>12s} {'call->step':>11s} {'ratio':>6s} "
-          f"{'call->error':>12s} {'ratio':>6s}")
+    print(f"{'launcher':30s} {'import':>7s} {'first launch':>12s} {'sum':>7s} {'ratio':>6s} "
+          f"{'call->step':>11s} {'ratio':>6s} {'call->error':>12s} {'ratio':>6s}")
+    fresh = {name: imported[name] + first[name] for name in codes}
     for name in codes:
         step, error = med[name]["step"], med[name]["error"]
-        print(f"{name:30s} {first[name]:11.3f}s {step:10.3f}s {step / med[base]['step']:6.2f} "
+        print(f"{name:30s} {imported[name]:6.3f}s {first[name]:11.3f}s {fresh[name]:6.3f}s "
+              f"{fresh[name] / fresh[base]:6.2f} {step:10.3f}s {step / med[base]['step']:6.2f} "
               f"{error:11.3f}s {error / med[base]['error']:6.2f}")
     missing = [n for n in ("lightning", "accelerate") if not _available(n)]
     if missing:
