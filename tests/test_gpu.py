@@ -34,7 +34,7 @@ def _single(precision=None) -> dict:
 
 
 two_gpus = pytest.mark.skipif(cuda_device_count() < 2,
-                              reason="needs two GPUs; this machine has one")
+                              reason=f"needs two GPUs; this machine has {cuda_device_count()}")
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

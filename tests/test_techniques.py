@@ -135,7 +135,8 @@ def test_fp16_skips_the_steps_one_process_skips(strategy):
 
 # Compared with one process that sees both ranks' batches (tests/test_gpu.py runs the
 # same paths on however many GPUs there are).
-two_gpus = pytest.mark.skipif(cuda_device_count() < 2, reason="needs two GPUs")
+two_gpus = pytest.mark.skipif(cuda_device_count() < 2,
+                              reason=f"needs two GPUs; this machine has {cuda_device_count()}")
 
 
 def test_fp16_and_offload_arguments_are_checked_without_a_gpu():
