@@ -59,7 +59,18 @@ class SpawnLauncher:
                     SpawnLauncher._owns_tracker = getattr(self._tracker, "_pid", 0) is None
                 SpawnLauncher._active += 1
                 self._counted = True
-        return start_with_context(self._context, spec, payload)
+        # The new interpreter is in the kernel's process group until nbtrain's code runs
+        # in it, so Jupyter's interrupt would reach it mid-import (a stray traceback in
+        # the cell). It starts with SIGINT blocked, a mask that survives exec; the worker
+        # ignores SIGINT and then unblocks it. (multiprocess's resource tracker does the
+        # same.) The mask is this thread's: the kernel still gets its interrupt. The
+        # tracker starts first: starting it unblocks SIGINT on its way out.
+        self._tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return start_with_context(self._context, spec, payload)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _stop_tracker(tracker, timeout: float = 5.0) -> None:

@@ -67,6 +67,7 @@ def _become_worker(spec: WorkerSpec, out_w, err_w) -> None:
     except OSError:
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel decides what an interrupt means
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # spawn started it blocked
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if spec.die_with_parent and sys.platform == "linux":
         try:
