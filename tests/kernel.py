@@ -27,6 +27,25 @@ class Reply:
         return self.error["ename"] if self.error else None
 
 
+def native_stacks(pids: list[int]) -> str:
+    """C-level stacks too (a lock held in native code shows only there), from py-spy
+    when it is installed (the dev extras have it) and allowed to attach."""
+    import shutil
+    import subprocess
+
+    if shutil.which("py-spy") is None:
+        return ""
+    out = []
+    for pid in pids:
+        try:
+            done = subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)],
+                                  capture_output=True, text=True, timeout=30)
+            out.append(f"\n--- native {pid}\n{(done.stdout or done.stderr)[-8000:]}")
+        except (OSError, subprocess.SubprocessError) as err:
+            out.append(f"\n--- native {pid}: {err}")
+    return "".join(out)
+
+
 class Kernel:
     def __init__(self, startup: str = "import nbtrain, torch"):
         self._replies: dict[str, Reply] = {}
@@ -132,7 +151,8 @@ class Kernel:
                 continue
             time.sleep(0.5)
         with open(self._stacks.name) as f:
-            return f.read()[-30_000:]
+            python = f.read()[-30_000:]
+        return python + native_stacks([self.pid, *forked])
 
     def interrupt_group(self) -> None:
         """What Jupyter's interrupt does: SIGINT to the kernel's whole process group."""
