@@ -173,25 +173,6 @@ def _end_store(holder: list) -> None:
         holder.clear()
 
 
-def _start_workers(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetry,
-                   resume: str | None, data_seed: int, server, store, pg_timeout: float,
-                   threads: int | None, handles: list) -> None:
-    for rank, index in enumerate(plan.indices):
-        spec = WorkerSpec(
-            rank=rank, local_rank=rank, world_size=plan.world_size,
-            accelerator=plan.accelerator,
-            device_index=index if plan.accelerator == "cuda" else None,
-            backend=plan.backend, store_host=_HOST, store_port=store.port,
-            telemetry_address=server.address if server else None,
-            telemetry_token=server.token if server else "",
-            num_threads=threads, pg_timeout_s=pg_timeout, parent_pid=os.getpid(),
-            die_with_parent=threading.current_thread() is threading.main_thread(),
-            telemetry=telemetry, resume_from=resume, seed=run.seed,
-            data_seed=data_seed)
-        with interrupts_deferred():  # a started worker always has a handle
-            handles.append(launcher.start(spec, payload))
-
-
 def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetry,
            resume: str | None = None, data_seed: int = 0) -> None:
     import torch.distributed as dist
@@ -215,8 +196,20 @@ def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetr
         if launcher.name == "fork":
             threads = fork_threads(threads)
         with _STORES:
-            _start_workers(run, launcher, payload, plan, telemetry, resume, data_seed, server,
-                           store, pg_timeout, threads, handles)
+            for rank, index in enumerate(plan.indices):
+                spec = WorkerSpec(
+                    rank=rank, local_rank=rank, world_size=plan.world_size,
+                    accelerator=plan.accelerator,
+                    device_index=index if plan.accelerator == "cuda" else None,
+                    backend=plan.backend, store_host=_HOST, store_port=store.port,
+                    telemetry_address=server.address if server else None,
+                    telemetry_token=server.token if server else "",
+                    num_threads=threads, pg_timeout_s=pg_timeout, parent_pid=os.getpid(),
+                    die_with_parent=threading.current_thread() is threading.main_thread(),
+                    telemetry=telemetry, resume_from=resume, seed=run.seed,
+                    data_seed=data_seed)
+                with interrupts_deferred():  # a started worker always has a handle
+                    handles.append(launcher.start(spec, payload))
         del store
     except BaseException:
         for h in handles:
