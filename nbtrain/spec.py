@@ -22,7 +22,7 @@ class WorkerSpec:
     device_index: int | None
     backend: str  # "gloo", or "cpu:gloo,cuda:nccl" on CUDA
     store_host: str
-    store_port: int
+    store_port: int | None  # None: rank 0 hosts the store and the kernel relays its port
     telemetry_address: tuple[str, int] | None
     telemetry_token: str
     num_threads: int | None  # torch threads; None: leave as the user set them
@@ -37,11 +37,13 @@ class WorkerSpec:
 
     def environ(self) -> dict[str, str]:
         env = {
-            "MASTER_ADDR": self.store_host, "MASTER_PORT": str(self.store_port),
+            "MASTER_ADDR": self.store_host,
             "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
             "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.world_size),
             "GROUP_RANK": "0", "NBTRAIN_WORKER": "1",  # not a torchrun rank: see torchrun.py
         }
+        if self.store_port is not None:  # else set once rank 0's store is up
+            env["MASTER_PORT"] = str(self.store_port)
         if self.num_threads is not None:
             env["OMP_NUM_THREADS"] = str(self.num_threads)
         return env

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import threading
@@ -160,23 +159,10 @@ def _resume_path(resume) -> str | None:
     return path
 
 
-# A run's rendezvous store is ended by the run's finishing thread, maybe while the next
-# launch forks. Forking while another thread is inside c10d's C++ (a store's server
-# shutting down or starting) can copy a held lock into the workers, which would then
-# wait forever in their process group's start. Stores are made and ended, and workers
-# started, one at a time.
-_STORES = threading.Lock()
-
-
-def _end_store(holder: list) -> None:
-    with _STORES:
-        holder.clear()
-
-
 def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetry,
            resume: str | None = None, data_seed: int = 0) -> None:
-    import torch.distributed as dist
-
+    """Start every rank (rank 0 hosts the rendezvous store: see ``worker``) and hand them
+    to a ``Supervisor``, which passes the store's port on and watches them join."""
     cleanup: list[Callable[[], None]] = [launcher.close]
     handles = []
     try:
@@ -184,37 +170,28 @@ def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetr
         if server is not None:
             cleanup.append(server.close)
         pg_timeout = max(60.0, run.timeout) if run.timeout else 600.0
-        # The rendezvous store lives in the kernel: port 0 gives a free port with no race,
-        # and it goes away with the run.
-        with _STORES:  # see _STORES
-            store = dist.TCPStore(_HOST, 0, plan.world_size, is_master=True,
-                                  timeout=datetime.timedelta(seconds=pg_timeout),
-                                  wait_for_workers=False)
-        holder = [store]
-        cleanup.append(lambda: _end_store(holder))
         threads = threads_per_worker(plan.world_size)
         if launcher.name == "fork":
             threads = fork_threads(threads)
-        with _STORES:
-            for rank, index in enumerate(plan.indices):
-                spec = WorkerSpec(
-                    rank=rank, local_rank=rank, world_size=plan.world_size,
-                    accelerator=plan.accelerator,
-                    device_index=index if plan.accelerator == "cuda" else None,
-                    backend=plan.backend, store_host=_HOST, store_port=store.port,
-                    telemetry_address=server.address if server else None,
-                    telemetry_token=server.token if server else "",
-                    num_threads=threads, pg_timeout_s=pg_timeout, parent_pid=os.getpid(),
-                    die_with_parent=threading.current_thread() is threading.main_thread(),
-                    telemetry=telemetry, resume_from=resume, seed=run.seed,
-                    data_seed=data_seed)
-                with interrupts_deferred():  # a started worker always has a handle
-                    handles.append(launcher.start(spec, payload))
-        del store
+        for rank, index in enumerate(plan.indices):
+            spec = WorkerSpec(
+                rank=rank, local_rank=rank, world_size=plan.world_size,
+                accelerator=plan.accelerator,
+                device_index=index if plan.accelerator == "cuda" else None,
+                backend=plan.backend, store_host=_HOST, store_port=None,
+                telemetry_address=server.address if server else None,
+                telemetry_token=server.token if server else "",
+                num_threads=threads, pg_timeout_s=pg_timeout, parent_pid=os.getpid(),
+                die_with_parent=threading.current_thread() is threading.main_thread(),
+                telemetry=telemetry, resume_from=resume, seed=run.seed,
+                data_seed=data_seed)
+            with interrupts_deferred():  # a started worker always has a handle
+                handles.append(launcher.start(spec, payload))
     except BaseException:
         for h in handles:
             kill_group(h.pid, signal.SIGKILL)
             h.process.join(5)
+            h.commands.close()
         for close in cleanup:
             close()
         raise

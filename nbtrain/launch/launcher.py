@@ -21,7 +21,7 @@ class WorkerHandle:
     control: Any  # Connection: result or failure
     out: Any  # Connection wrapping the worker's stdout pipe
     err: Any  # Connection wrapping the worker's stderr pipe
-    commands: Any = None  # RankPool workers: the write end of their command pipe
+    commands: Any = None  # the write end of its command pipe (the store's port; a pool's commands)
 
     @property
     def pid(self) -> int:
@@ -51,25 +51,21 @@ def start_with_context(mp_context, spec: WorkerSpec, payload: Any) -> WorkerHand
     control_r, control_w = mp_context.Pipe(duplex=False)
     out_r, out_w = mp_context.Pipe(duplex=False)
     err_r, err_w = mp_context.Pipe(duplex=False)
-    args = (spec, payload, control_w, out_w, err_w)
-    cmd_r = cmd_w = None
-    if spec.pool:  # the kernel -> worker direction, for a pool worker's commands
-        cmd_r, cmd_w = mp_context.Pipe(duplex=False)
-        args += (cmd_r,)
+    # kernel -> worker: where rank 0's store is, then (a pool worker) its commands
+    cmd_r, cmd_w = mp_context.Pipe(duplex=False)
+    args = (spec, payload, control_w, out_w, err_w, cmd_r)
     entry = pool_worker.main if spec.pool else worker.main
     process = mp_context.Process(target=entry, name=f"nbtrain-rank-{spec.rank}", args=args)
     try:
         process.start()
     except BaseException:
-        if cmd_w is not None:
-            cmd_w.close()
+        cmd_w.close()
         raise
     finally:
         # The parent keeps only its ends, so later workers do not inherit the worker's
         # and end-of-file means this worker is gone.
         for end in (control_w, out_w, err_w, cmd_r):
-            if end is not None:
-                end.close()
+            end.close()
     try:  # the worker does the same; doing it here too closes the race
         os.setpgid(process.pid, process.pid)
     except OSError:

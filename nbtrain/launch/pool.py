@@ -1,8 +1,8 @@
 """``RankPool``: warm workers kept across launches and cells.
 
 The pool starts one worker per device with the ordinary launchers (fork or spawn) and a
-``WorkerSpec`` marked ``pool``; each worker joins the process group once (through a
-``TCPStore`` in the kernel that lives as long as the pool) and then waits for commands
+``WorkerSpec`` marked ``pool``; each worker joins the process group once (rank 0 hosts its
+store, as in any launch) and then waits for commands
 (``pool_worker``). Every command is one *operation*: a ``PoolOp`` thread, a
 ``Supervisor`` that ends when every rank it asked has replied rather than exited, reads
 the replies and labels the output lines ``[rank N]``. ``pool.launch`` hands its
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
 import json
 import os
 import pickle
@@ -81,7 +80,6 @@ class RankPool:
         self._pg_timeout = float(timeout or 600.0)
         self._handles: list[WorkerHandle] = []
         self._launcher = None
-        self._store = None
         self._lock = threading.Lock()
         self._busy: str | None = None  # what runs now: "cell", "launch", ...
         self._ended: str | None = None  # why the workers were ended (restart on next use)
@@ -101,8 +99,6 @@ class RankPool:
 
     # -- lifecycle -----------------------------------------------------------------------
     def _start(self) -> None:
-        import torch.distributed as dist
-
         from . import LAUNCHERS
         from .devices import threads_per_worker
         from .guards import fork_threads
@@ -112,12 +108,8 @@ class RankPool:
         if self.start_method == "fork":
             warm_kernel()
         handles: list[WorkerHandle] = []
-        store = None
         op = None
         try:
-            store = dist.TCPStore(_HOST, 0, self.world_size, is_master=True,
-                                  timeout=datetime.timedelta(seconds=self._pg_timeout),
-                                  wait_for_workers=False)
             threads = threads_per_worker(self.world_size)
             if launcher.name == "fork":
                 threads = fork_threads(threads)
@@ -126,15 +118,17 @@ class RankPool:
                     rank=rank, local_rank=rank, world_size=self.world_size,
                     accelerator=self.plan.accelerator,
                     device_index=index if self.plan.accelerator == "cuda" else None,
-                    backend=self.plan.backend, store_host=_HOST, store_port=store.port,
+                    backend=self.plan.backend, store_host=_HOST, store_port=None,
                     telemetry_address=None, telemetry_token="", num_threads=threads,
                     pg_timeout_s=self._pg_timeout, parent_pid=os.getpid(),
                     die_with_parent=threading.current_thread() is threading.main_thread(),
                     pool=True)
                 with interrupts_deferred():  # a started worker always has a handle
                     handles.append(launcher.start(spec, None))
-            self._handles, self._launcher, self._store = handles, launcher, store
-            op = self._begin(list(range(self.world_size)), None, None)
+            self._handles, self._launcher = handles, launcher
+            # Rank 0 hosts the store (see worker.py); the op passes its port on, and
+            # waits for every rank's READY.
+            op = self._begin(list(range(self.world_size)), None, None, join=True)
             self._finish(op)
             failures = {r: w.failure for r, w in op.workers.items() if w.failure}
             if failures:
@@ -145,7 +139,7 @@ class RankPool:
             if op is not None:  # interrupted while waiting: let the op see the exits first
                 op.done.wait(5)
             self._end_workers(handles, launcher)
-            self._handles, self._launcher, self._store = [], None, None
+            self._handles, self._launcher = [], None
             raise
         self._ended = None
         self.started += 1
@@ -179,7 +173,7 @@ class RankPool:
     def _teardown(self, reason: str) -> None:
         """End the workers (a rank died or stayed stuck); the next use starts new ones."""
         self._end_workers(self._handles, self._launcher)
-        self._handles, self._launcher, self._store = [], None, None
+        self._handles, self._launcher = [], None
         self._ended = reason
 
     def restart(self) -> None:
@@ -188,7 +182,7 @@ class RankPool:
         with self._claim("restart"):
             if self._handles:
                 self._end_workers(self._handles, self._launcher, graceful=True)
-                self._handles, self._launcher, self._store = [], None, None
+                self._handles, self._launcher = [], None
             self._start()
 
     def close(self) -> None:
@@ -204,7 +198,7 @@ class RankPool:
             time.sleep(0.01)  # the run's own cleanup (its listener, a teardown) finishes
         self.closed = True
         self._end_workers(self._handles, self._launcher, graceful=True)
-        self._handles, self._launcher, self._store = [], None, None
+        self._handles, self._launcher = [], None
         _POOLS.discard(self)
 
     def __enter__(self) -> RankPool:
@@ -240,11 +234,12 @@ class RankPool:
 
     # -- operations ----------------------------------------------------------------------
     def _begin(self, ranks: list[int], command: dict | None, deadline: float | None,
-               emit=None) -> PoolOp:
+               emit=None, join: bool = False) -> PoolOp:
         """Send ``command`` to ``ranks`` and start watching them (no command: wait for
-        what they send unasked, the start's READY)."""
+        what they send unasked, the start's READY; ``join``: they are starting their
+        process group)."""
         handles = [self._handles[r] for r in ranks]
-        op = PoolOp(handles, emit or _writer(), deadline, self._kill_all)
+        op = PoolOp(handles, emit or _writer(), deadline, self._kill_all, join)
         if command is not None:
             for h in handles:
                 try:

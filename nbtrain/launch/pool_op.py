@@ -55,8 +55,8 @@ class PoolOp(Supervisor):
     ``INTERRUPT_GRACE_S`` get the whole pool ended (``kill_pool``)."""
 
     def __init__(self, handles: list[WorkerHandle], emit, deadline: float | None,
-                 kill_pool: Callable[[], None]):
-        super().__init__(handles, emit, deadline)
+                 kill_pool: Callable[[], None], join: bool = False):
+        super().__init__(handles, emit, deadline, join)
         self._kill_pool = kill_pool
         self.interrupted_at: float | None = None
         self.interrupted: list[int] = []
@@ -82,6 +82,7 @@ class PoolOp(Supervisor):
             elif not self.pending():
                 break
             now = time.monotonic()
+            self._check_joined(now)
             self._advance(now)
             timeout = 0.05 if (self.teardown_cause or self.failures) else 0.5
             if self.deadline is not None and self.teardown_cause is None:

@@ -62,7 +62,7 @@ def main(spec: WorkerSpec, payload: Any, control, out_w, err_w, commands) -> Non
 def serve(spec: WorkerSpec, commands, control) -> None:
     os.environ.update(spec.environ())
     try:
-        init_distributed(spec)
+        init_distributed(spec, control, commands)
     except BaseException as exc:
         control.send_bytes(encode_failure(exc, spec.rank, (__file__,)))
         _exit(1)

@@ -19,11 +19,17 @@ from dataclasses import dataclass, field
 
 from ..errors import signal_hint, signal_name
 from .launcher import WorkerHandle
-from .worker import FAILURE
+from .worker import AT_STORE, FAILURE, JOINED, STORE
 
 FAILURE_GRACE_S = 0.25  # after a first failure, wait this long for the root cause to report
 TERM_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
 DRAIN_S = 1.0  # after exits, how long to wait for the last output lines
+# A rank that has not joined its process group this long after the start is named, with
+# its Python stack, and the start fails (a fork once copied a held lock into a rank,
+# which then waited forever; see worker.py). Generous: spawn imports torch in every rank
+# and NCCL's first communicator takes seconds on 8 GPUs.
+JOIN_TIMEOUT_S = 120.0
+STACK_WAIT_S = 1.0  # after SIGUSR1, how long a late rank gets to print its stack
 
 _COMM_ERROR = re.compile(r"gloo|nccl|connection (closed|reset) by peer|broken pipe|"
                          r"DistBackendError|DistNetworkError|DistStoreError|Socket Timeout",
@@ -49,16 +55,24 @@ class _Worker:
     result: bytes | None = None
     failure: Failure | None = None
     control_open: bool = True
+    at_store: bool = False  # it reached rank 0's store (worker.AT_STORE)
+    joined: bool = False  # its process group is up (worker.JOINED)
+    stack: list[str] | None = None  # stderr lines since it was asked for its stack
     partial: dict[str, str] = field(default_factory=lambda: {"out": "", "err": ""})
 
 
 class Supervisor:
     """Runs ``loop()`` in a thread; the run reads the outcome when ``done`` is set."""
 
-    def __init__(self, handles: list[WorkerHandle], emit, deadline: float | None):
+    def __init__(self, handles: list[WorkerHandle], emit, deadline: float | None,
+                 join: bool = True):
         self.workers = {h.rank: _Worker(h) for h in handles}
         self._emit = emit  # emit(rank, "out" | "err", line)
         self.deadline = deadline
+        # The ranks start their process group under this supervisor: relay rank 0's store
+        # port, and name the ranks that have not joined by this time.
+        self.join_deadline = time.monotonic() + JOIN_TIMEOUT_S if join else None
+        self._stacks_asked_at: float | None = None
         self.stop_reason: str | None = None
         self.timed_out_ranks: list[int] = []
         self.teardown_cause: str | None = None  # "failure", "stop", "timeout"
@@ -117,6 +131,7 @@ class Supervisor:
         term_sent_at: float | None = None
         while any(w.exitcode is None for w in self.workers.values()):
             now = time.monotonic()
+            self._check_joined(now)
             if self.teardown_cause is None:
                 self._maybe_start_teardown(now)
             if self.teardown_cause is not None:
@@ -144,6 +159,47 @@ class Supervisor:
             first = self.failures[0]
             if not self.root_failure().secondary or now - first.t >= FAILURE_GRACE_S:
                 self.teardown_cause = "failure"
+
+    def _check_joined(self, now: float) -> None:
+        """Past the join deadline, ask the ranks that have not joined where they are
+        (SIGUSR1: their Python stacks, on stderr), then fail them with it."""
+        if self.join_deadline is None or self.teardown_cause is not None or \
+                now < self.join_deadline:
+            return
+        late = [w for w in self.workers.values()
+                if not w.joined and w.exitcode is None and w.failure is None]
+        if not late:
+            self.join_deadline = None
+            return
+        if self._stacks_asked_at is None:
+            self._stacks_asked_at = now
+            for w in late:
+                w.stack = []
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.handle.pid, signal.SIGUSR1)
+            return
+        if now - self._stacks_asked_at < STACK_WAIT_S:
+            return
+        joined = [r for r, w in self.workers.items() if w.joined]
+        missing = [w.handle.rank for w in late if not w.at_store]
+        for w in late:
+            rank = w.handle.rank
+            stack = "\n".join(w.stack or []) or "(it printed no stack)"
+            if w.at_store and missing:  # waiting in the group's start for those
+                message = (f"rank {rank} waited in the process group's start for rank"
+                           f"{'s' if len(missing) > 1 else ''} "
+                           f"{', '.join(map(str, missing))}")
+            else:
+                message = (f"rank {rank} did not join the process group within "
+                           f"{JOIN_TIMEOUT_S:g} s of the start (joined: "
+                           f"{', '.join(map(str, joined)) or 'none'}); where it waits:")
+            w.failure = Failure(
+                rank, "StartTimeout", message, stack, now,
+                secondary=w.at_store and bool(missing),
+                hint="The start was ended; nothing of your function ran. Launch again. If a "
+                     "start hangs again, the stack above says where: please report it with "
+                     "that stack.")
+        self.join_deadline = None
 
     def _signal_alive(self, sig: int) -> None:
         for w in self.workers.values():
@@ -174,7 +230,20 @@ class Supervisor:
             self._forget(w.handle.control)
             w.control_open = False
             return
-        if data[:1] == FAILURE:
+        tag = data[:1]
+        if tag == STORE:  # rank 0's store is up: tell the others where
+            for other in self.workers.values():
+                if other is not w and other.exitcode is None:
+                    with contextlib.suppress(OSError):
+                        other.handle.commands.send_bytes(data)
+            return
+        if tag == AT_STORE:
+            w.at_store = True
+            return
+        if tag == JOINED:
+            w.joined = True
+            return
+        if tag == FAILURE:
             body = json.loads(data[1:])
             text = body["type"] + ": " + body["message"] + "\n" + body["traceback"]
             w.failure = Failure(w.handle.rank, body["type"], body["message"], body["traceback"],
@@ -235,7 +304,10 @@ class Supervisor:
         text = w.partial[stream] + data.decode("utf-8", errors="replace")
         *lines, w.partial[stream] = text.split("\n")
         for line in lines:
-            self._emit(w.handle.rank, stream, line)
+            if w.stack is not None and stream == "err":  # its stack goes into its failure
+                w.stack.append(line)
+            else:
+                self._emit(w.handle.rank, stream, line)
         return True
 
     def _drain_output(self) -> None:
@@ -262,7 +334,7 @@ class Supervisor:
             if h.process.exitcode is None:
                 kill_group(h.pid, signal.SIGKILL)
                 h.process.join(timeout=5)
-            for conn in (h.control, h.out, h.err):
+            for conn in (h.control, h.out, h.err, h.commands):
                 with contextlib.suppress(OSError):
                     conn.close()
             with contextlib.suppress(Exception):

@@ -1,9 +1,17 @@
 """What runs inside each worker process, the same after fork and after spawn.
 
 The parent hands the worker a ``WorkerSpec`` (plain data), the user's function (as an
-object after fork, as dill bytes after spawn) and three pipe ends: control (result or
-error, back to the kernel), stdout and stderr. A ``RankPool`` worker (``spec.pool``) gets
-a fourth, the commands it waits for (``pool_worker.main``), instead of one function.
+object after fork, as dill bytes after spawn) and four pipe ends: control (result or
+error, back to the kernel), stdout, stderr, and commands (kernel -> worker: first the
+rendezvous address, then, for a ``RankPool`` worker (``spec.pool``), the commands it
+waits for in ``pool_worker.main`` instead of one function).
+
+The rendezvous store lives in rank 0, never in the kernel. A kernel that hosts one runs
+its server thread, and that thread formats each connecting peer's address with glibc's
+``getnameinfo``: a fork at that instant copied the resolver's lock, held, into the next
+rank, which then waited for it forever on its own way to the store (about 1 start in 50
+with 4 ranks in a Jupyter kernel). Rank 0 makes the store on a free port and says which
+on its control pipe; the kernel passes the port on to the other ranks.
 """
 
 from __future__ import annotations
@@ -25,11 +33,22 @@ from ..spec import WorkerSpec
 RESULT_PICKLE = b"P"
 RESULT_DILL = b"D"
 FAILURE = b"E"
+STORE = b"S"  # rank 0's store is up, on this port (ASCII digits follow)
+AT_STORE = b"C"  # this rank reached the store; its process group starts now
+JOINED = b"J"  # this rank's process group is up
 
 
-def main(spec: WorkerSpec, payload: Any, control, out_w, err_w) -> None:
+def _bootstrap_stacks() -> None:
+    """SIGUSR1 writes every thread's Python stack to stderr (the cell): how the kernel
+    learns where a rank that never joined its process group is waiting."""
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+
+def main(spec: WorkerSpec, payload: Any, control, out_w, err_w, commands) -> None:
     """Entry point of a worker process. Never returns: the process exits here."""
-    run_as_worker(spec, out_w, err_w, lambda: _run(spec, payload, control))
+    run_as_worker(spec, out_w, err_w, lambda: _run(spec, payload, control, commands))
 
 
 def run_as_worker(spec: WorkerSpec, out_w, err_w, body) -> None:
@@ -85,19 +104,22 @@ def _become_worker(spec: WorkerSpec, out_w, err_w) -> None:
                                        errors="replace", closefd=False)
     sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, encoding="utf-8",
                                        errors="replace", closefd=False)
+    _bootstrap_stacks()
 
 
-def _run(spec: WorkerSpec, payload: Any, control) -> None:
+def _run(spec: WorkerSpec, payload: Any, control, commands) -> None:
     os.environ.update(spec.environ())
-    message = execute(spec, payload, setup=lambda: init_distributed(spec))
+    message = execute(spec, payload, setup=lambda: init_distributed(spec, control, commands))
     control.send_bytes(message)
     # No destroy_process_group(): see _exit. Every object stays alive until the process
     # is gone, including the model (and its DDP reducer) that the context holds.
     _exit(1 if message[:1] == FAILURE else 0)
 
 
-def init_distributed(spec: WorkerSpec) -> None:
-    """Threads and device for this rank, then the process group (through the kernel's store)."""
+def init_distributed(spec: WorkerSpec, control, commands) -> None:
+    """Threads and device for this rank, then the process group: rank 0 hosts the store
+    (see the module docstring), the others wait for the kernel to say where it is. Says
+    ``JOINED`` on ``control`` once the group is up."""
     import torch
     import torch.distributed as dist
 
@@ -106,13 +128,26 @@ def init_distributed(spec: WorkerSpec) -> None:
     if spec.accelerator == "cuda":
         torch.cuda.set_device(spec.device_index)
     timeout = datetime.timedelta(seconds=spec.pg_timeout_s)
-    store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size,
-                          is_master=False, timeout=timeout)
+    if spec.rank == 0:
+        store = dist.TCPStore(spec.store_host, 0, spec.world_size, is_master=True,
+                              timeout=timeout, wait_for_workers=False)
+        port = store.port
+        control.send_bytes(STORE + str(port).encode())
+    else:
+        try:
+            port = int(commands.recv_bytes()[len(STORE):])
+        except EOFError:  # the kernel ended the start (rank 0 failed, an interrupt)
+            _exit(1)
+        store = dist.TCPStore(spec.store_host, port, spec.world_size, is_master=False,
+                              timeout=timeout)
+    control.send_bytes(AT_STORE)
+    os.environ["MASTER_PORT"] = str(port)  # for libraries that read it
     init = dict(backend=spec.backend, store=store, rank=spec.rank,
                 world_size=spec.world_size, timeout=timeout)
     if spec.accelerator == "cuda":
         init["device_id"] = torch.device("cuda", spec.device_index)
     dist.init_process_group(**init)
+    control.send_bytes(JOINED)
 
 
 def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None) -> bytes:

@@ -1,0 +1,79 @@
+"""How ranks start: rank 0 hosts the rendezvous store (never the kernel, whose forks
+would copy a store thread's held locks), and a rank that never joins is named with
+where it waits instead of hanging the cell."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from workloads import fail_on
+
+import nbtrain
+from nbtrain.launch import supervisor, worker
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+
+def _thread_names() -> list[str]:
+    """Every thread of this process as the OS names it: native ones too (c10d's store
+    server is ``pt_tcpstore_uv``)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return names
+
+
+def test_the_launching_process_runs_no_store_while_ranks_start():
+    runs = [nbtrain.launch(fail_on, "none", devices=4, accelerator="cpu", background=True,
+                           dashboard=False) for _ in range(2)]
+    during = _thread_names()
+    pool = nbtrain.RankPool(devices=2, accelerator="cpu")
+    try:
+        with_pool = _thread_names()
+        assert pool.run("dist.get_world_size()") == {0: "2", 1: "2"}
+    finally:
+        pool.close()
+    for run in runs:
+        assert run.wait() == [0, 1, 2, 3]  # fail_on returns the rank
+    assert not [n for n in during + with_pool if n.startswith("pt_tcpstore")], during
+
+
+def _stuck_before_joining(spec, control, commands):
+    """Rank 1 never reaches the store (as a rank holding a copied lock would)."""
+    if spec.rank == 1:
+        threading.Event().wait()
+    return _REAL_INIT(spec, control, commands)
+
+
+_REAL_INIT = worker.init_distributed
+
+
+def test_a_rank_that_never_joins_is_named_with_where_it_waits(monkeypatch):
+    monkeypatch.setattr(supervisor, "JOIN_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(worker, "init_distributed", _stuck_before_joining)  # forked: inherited
+    with pytest.raises(nbtrain.WorkerError) as info:
+        nbtrain.launch(fail_on, "none", devices=3, accelerator="cpu", start_method="fork",
+                       timeout=60, dashboard=False)
+    err = info.value
+    assert (err.rank, err.exc_type) == (1, "StartTimeout")
+    assert "did not join the process group within 2 s" in err.message
+    assert "(joined: none)" in err.message  # rank 0 and 2 wait in the group's start for it
+    assert "_stuck_before_joining" in err.traceback  # its stack says where it waits
+    assert "Launch again" in str(err)
+
+
+def test_a_pool_rank_that_never_joins_fails_the_start(monkeypatch):
+    monkeypatch.setattr(supervisor, "JOIN_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(worker, "init_distributed", _stuck_before_joining)
+    from nbtrain.launch import pool_worker
+
+    monkeypatch.setattr(pool_worker, "init_distributed", _stuck_before_joining)
+    with pytest.raises(nbtrain.WorkerError, match="rank 1 did not join") as info:
+        nbtrain.RankPool(devices=2, accelerator="cpu", start_method="fork")
+    assert "_stuck_before_joining" in str(info.value)
