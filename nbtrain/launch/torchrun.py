@@ -142,12 +142,12 @@ def run_in_process(fn, args, kwargs, strategy, accelerator: str, options: Teleme
               file=sys.stderr, flush=True)
     if message[:1] == FAILURE:
         _raise(message)
-    results: list[bytes] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(message, results, dst=0)
-    events: list[Any] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object((time.monotonic(), [encode(e) for e in kept]), events, dst=0)
+    gathered = _gather_to_rank0(
+        (message, time.monotonic(), [encode(e) for e in kept]), rank, world_size)
     if run is None:
         return None
+    results = [m for m, _, _ in gathered]
+    events = [(then, rank_events) for _, then, rank_events in gathered]
     now = time.monotonic()
     for then, rank_events in events[1:]:
         offset = now - then  # onto rank 0's clock (other hosts have their own)
@@ -158,6 +158,42 @@ def run_in_process(fn, args, kwargs, strategy, accelerator: str, options: Teleme
     run._attach(_Finished(results), [])
     run.wait()
     return run
+
+
+# The handles of the last gather's collectives, kept until the next gather (or exit). A
+# gloo worker thread that drops the last reference to a finished collective frees its
+# tensors, which needs the GIL; at interpreter exit Python ends such a thread inside that
+# destructor (std::terminate: "terminate called without an active exception", SIGABRT,
+# seen in a core dump as ~AsyncGatherWork <- ProcessGroupGloo::runLoop while the main
+# thread was in Py_FinalizeEx). While these handles live, the last reference is ours, and
+# the main thread drops it, holding the GIL.
+_LAST_GATHER: list[Any] = []
+
+
+def _gather_to_rank0(obj: Any, rank: int, world_size: int) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (None elsewhere): ``gather_object``'s job, done
+    with async collectives whose handles outlive their worker threads' part."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    size = torch.tensor([len(data)], dtype=torch.long)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]
+    sized = dist.all_gather(sizes, size, async_op=True)
+    sized.wait()
+    longest = max(int(s) for s in sizes)
+    buffer = torch.zeros(longest, dtype=torch.uint8)
+    buffer[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)] \
+        if rank == 0 else None
+    gathered = dist.gather(buffer, out, dst=0, async_op=True)
+    gathered.wait()
+    _LAST_GATHER[:] = [sized, gathered]
+    if out is None:
+        return None
+    return [pickle.loads(t[:int(n)].numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
 
 
 def _join(plan: DevicePlan, local_rank: int, timeout_s: float) -> None:
