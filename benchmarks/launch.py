@@ -18,7 +18,7 @@ launcher alike. Ratios are to Lightning's
     python benchmarks/launch.py [--repeats 5]
     python benchmarks/launch.py --accelerator cuda     # on a GPU machine
 
-Lightning and accelerate come from ``pip install -e ".[bench]"`` (skipped without them).
+Lightning and accelerate come with the dev extras (each is skipped when it is missing).
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def main() -> None:
               f"{error:11.3f}s {error / med[base]['error']:6.2f}")
     missing = [n for n in ("lightning", "accelerate") if not _available(n)]
     if missing:
-        print(f"(not installed, skipped: {', '.join(missing)}; pip install -e \".[bench]\")")
+        print(f"(not installed, skipped: {', '.join(missing)}; pip install -e \".[dev]\")")
 
 
 if __name__ == "__main__":

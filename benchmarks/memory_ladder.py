@@ -86,6 +86,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
+    if args.steps < 5:
+        parser.error(f"--steps {args.steps}: give at least 5 (the first 3 are warm-up, left "
+                     "out of the step time)")
     accelerators = ["cpu"] + (["cuda"] if torch.cuda.device_count() >= 2 else [])
     mb = 2 ** 20
     for accelerator in accelerators:

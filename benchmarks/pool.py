@@ -31,7 +31,7 @@ from kernel import Kernel  # noqa: E402  (the tests' jupyter_client driver)
 from launch import COMMON, NBTRAIN, value  # noqa: E402  (the same workload, cell by cell)
 
 # The workload of benchmarks/launch.py, cell for cell: train(ctx, fail) and its helpers.
-SETUP = COMMON + NBTRAIN.split("def measure(fail):")[0] + """
+SETUP = COMMON + "import nbtrain\n" + NBTRAIN.split("def measure(fail):")[0] + """
 def cold(method):
     t = time.monotonic()
     nbtrain.launch(train, False, devices=2, accelerator="cpu", start_method=method)

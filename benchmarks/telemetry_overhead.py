@@ -17,6 +17,7 @@ hundred microseconds (launch and the first 50 steps excluded). At a step time T 
 ratio is then T / (T + added).
 
     python benchmarks/telemetry_overhead.py [--steps 200] [--rounds 12] [--modes default]
+    python benchmarks/telemetry_overhead.py --steps 20 --rounds 1 --tiny-rounds 1 --tiny-steps 100  # smoke
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import nbtrain
 MODES = {
     "off": False,
     "default": True,
-    "default, no comm count": nbtrain.Telemetry(comm=False),
+    "default without comm count": nbtrain.Telemetry(comm=False),
     "memory every step + comm": nbtrain.Telemetry(memory_every=1, comm=True),
 }
 
@@ -109,11 +110,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--strategies", default="ddp,fsdp")
+    parser.add_argument("--tiny-rounds", type=int, default=6,
+                        help="rounds of the 1-rank tiny-model measure")
+    parser.add_argument("--tiny-steps", type=int, default=3000)
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"a comma-separated subset of: {', '.join(MODES)} ('off' is "
                              "always measured)")
     args = parser.parse_args()
-    modes = ["off"] + [m for m in args.modes.split(",") if m != "off"]
+    if args.steps <= 10 or args.tiny_steps <= 50:
+        parser.error("--steps must be over 10 and --tiny-steps over 50 (warm-up steps are "
+                     "left out)")
+    modes = ["off"] + [m.strip() for m in args.modes.split(",") if m.strip() != "off"]
     unknown = set(modes) - set(MODES)
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
@@ -132,9 +139,10 @@ def main() -> None:
             med, low, high = paired_interval(values, rates["off"])
             print(f"{mode:28s} {statistics.median(values):9.1f} {med:20.3f} "
                   f"{low:7.3f}-{high:.3f}")
-    print("\nWhat default telemetry adds to a step (1 rank, a tiny model, median of 6 rounds):")
+    print(f"\nWhat default telemetry adds to a step (1 rank, a tiny model, median of "
+          f"{args.tiny_rounds} rounds):")
     for strategy in args.strategies.split(","):
-        off, on = added_per_step(strategy)
+        off, on = added_per_step(strategy, args.tiny_rounds, args.tiny_steps)
         added = on - off
         print(f"  {strategy:14s} {off * 1e6:6.0f} us/step off, {on * 1e6:6.0f} on: adds "
               f"{added * 1e6:4.0f} us; ratio >= 0.97 for steps of {added * 32e3:.1f} ms "

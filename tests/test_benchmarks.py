@@ -1,0 +1,48 @@
+"""Every benchmark the README lists runs as pasted, once, with its smallest arguments:
+it starts, finishes and prints its table (CI never measures with them; people do)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+BLOCK = re.search(r"^## Benchmarks\n.*?^```bash\n(.*?)^```", README, re.S | re.M).group(1)
+LINES = {re.match(r"python benchmarks/(\S+\.py)", line).group(1): re.sub(r"\s*#.*$", "", line)
+         for line in BLOCK.splitlines() if line.strip()}
+
+# The smallest arguments each takes, and a line of the table it prints.
+SMALL = {
+    "launch.py": ("--repeats 1", "call->step"),
+    "spawn_breakdown.py": ("--repeats 1", "first optimizer"),
+    "telemetry_overhead.py": ("--steps 20 --rounds 1 --tiny-rounds 1 --tiny-steps 100 "
+                              "--strategies ddp", "paired ratio to off"),
+    "gpu_table.py": ("--accelerator cpu --width 64 --depth 1 --batch 2 --seq 16 --steps 3",
+                     "FULL_SHARD + AC"),
+    "dashboard_overhead.py": ("--steps 60 --repeats 1", "ratio (live/off)"),
+    "memory_ladder.py": ("--steps 5 --width 64 --depth 1 --batch 8", "fsdp_grad_op"),
+    "pool.py": ("--repeats 1", "pool.launch call->step"),
+    "start_stress.py": ("--starts 6 --deadline 120", "hung: 0 of 6"),
+}
+
+
+def test_the_readme_lists_every_benchmark():
+    on_disk = {p.name for p in (ROOT / "benchmarks").glob("*.py")}
+    assert set(LINES) == on_disk, "list every benchmark in the README's Benchmarks block"
+    assert set(SMALL) == on_disk, "give every benchmark its smallest arguments here"
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_benchmark_runs_with_its_smallest_arguments(name, no_leftovers):
+    args, expected = SMALL[name]
+    command = f"{LINES[name]} {args}"
+    done = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          executable="/bin/bash")
+    assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert expected in done.stdout, done.stdout[-3000:]
