@@ -9,7 +9,11 @@ three times in a row stops drawing: the UI never breaks or slows the run.
 A view shown by ``launch()`` displays only what is cheap in its constructor (the
 header); whatever is slow to build (the live figure) is done by ``prepare()`` on the
 drawer thread, which ``launch()`` starts once the workers are started (``start()``), so
-the workers never wait for the dashboard. A view built with ``display=False`` starts
+the workers never wait for the dashboard. A view with a figure (``wait_for_data``)
+builds and draws it only once a rank has logged a step or a metric: built while the
+ranks start, it competed with them for the cores (on 2 cores a quarter of a warm
+launch's call -> first step) and could only show empty axes. Until then events redraw
+the header alone (``draw_header``). A view built with ``display=False`` starts
 its thread at once (the first event would start it anyway).
 """
 
@@ -30,6 +34,7 @@ class LiveView:
     interval = 0.2  # seconds between redraws, at most
     heartbeat = 1.0  # seconds between redraws when no event arrives
     max_points = 400  # per trace
+    wait_for_data = False  # draw (and prepare) only once there is something to plot
 
     def __init__(self, run: Run | None = None, *, world_size: int = 1):
         self.state = LiveState(run.world_size if run is not None else world_size,
@@ -82,7 +87,22 @@ class LiveView:
     def prepare(self) -> None:
         """What is slow to set up, done on the drawer thread before its first draw."""
 
+    def draw_header(self) -> None:
+        """Redraw what is cheap (the header) while the figure waits for data."""
+
     def _loop(self) -> None:
+        if self.wait_for_data:
+            while not self._stop.is_set() and not self.state.has_data():
+                self._wake.wait(self.heartbeat)
+                self._wake.clear()
+                with self._draw_lock:
+                    if not self.closed:
+                        try:
+                            self.draw_header()
+                        except Exception:  # an output must never break the run
+                            pass
+            if self._stop.is_set():
+                return
         with self._draw_lock:
             if self._stop.is_set():
                 return  # ended already: close() draws the outcome

@@ -64,6 +64,7 @@ class Dashboard(LiveView):
     interval = 0.25
     heartbeat = 1.0
     max_points = 200
+    wait_for_data = True
 
     def __init__(self, run: Run | None = None, *, display: bool = True, world_size: int = 1,
                  height: int | None = None):
@@ -153,6 +154,16 @@ class Dashboard(LiveView):
             comm._nbtrain_counted = True
 
     # -- drawing -----------------------------------------------------------------------
+    def draw_header(self) -> None:
+        with self.state.lock:
+            shown = self._header_bundle() if self._handles is not None else None
+            header = header_html(self.state)
+        if self.header is not None and header != self.header.value:
+            self.header.value = header
+        if shown is not None and shown["text/html"] != self._shown_header:
+            self._handles[0].update(shown, raw=True)
+            self._shown_header = shown["text/html"]
+
     def draw(self, final: bool) -> None:
         state = self.state
         with state.lock:

@@ -47,6 +47,7 @@ class StaticView(LiveView):
     interval = 2.0
     heartbeat = 2.0
     max_points = 200
+    wait_for_data = True
 
     def __init__(self, run: Run | None = None, *, display: bool = True, world_size: int = 1):
         super().__init__(run, world_size=world_size)
@@ -69,6 +70,10 @@ class StaticView(LiveView):
         with self.state.lock:
             text = self.state.progress_line()
         return header, figure_bundle(build_figure(self.state), text, html=final)
+
+    def draw_header(self) -> None:
+        if self._handles is not None:
+            self._handles[0].update(self.header(), raw=True)
 
     def draw(self, final: bool) -> None:
         header, fig = self.bundles(final)

@@ -137,6 +137,11 @@ class LiveState:
         return state
 
     # -- reading -----------------------------------------------------------------------
+    def has_data(self) -> bool:
+        """Some rank logged a step or a metric: a figure has something to plot."""
+        with self.lock:
+            return bool(self.steps or self.metrics)
+
     @property
     def elapsed(self) -> float:
         return (self.ended_at or time.monotonic()) - self.started_at
