@@ -57,6 +57,11 @@ def save(path: str | os.PathLike, state: Mapping[str, Any], *, full: bool = Fals
     path = _check_path(path)
     entries = _entries(state, models)
     rank = dist.get_rank() if _distributed() else 0
+    from .strategies.norms import sync_statistics
+
+    for _, kind, obj, _ in entries:  # one copy of the running statistics: rank 0's
+        if kind == "module":
+            sync_statistics(obj)
     tmp = path + ".saving"
     if not full:
         data = {key: _state_dict(kind, obj, model) for key, kind, obj, model in entries}

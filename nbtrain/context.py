@@ -114,6 +114,7 @@ class Context:
         from .strategies import meta_init
         from .strategies.activation import clean_name
 
+        model = strategy.prepare_module(model)
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         on_meta = meta_init.on_meta(model)
         if on_meta:  # where each tensor's values come from, before sharding replaces it

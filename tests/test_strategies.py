@@ -100,4 +100,45 @@ def test_default_wrap_keeps_blocks_of_a_short_stack_whole():
     from nbtrain.examples.charlm import CharLM, Config
 
     model = CharLM(Config(vocab=40, layers=2))  # each block holds ~half the model
-    assert FSDP().units(model) == list(model.blocks)
+    assert set(FSDP().units(model)) == set(model.blocks)
+
+
+class Basic(nn.Module):  # a ResNet-style block: made of modules, repeated in a Sequential
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c)
+
+
+def test_the_repeated_block_class_is_found_without_a_name():
+    from nbtrain.strategies import blocks
+
+    cnn = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Sequential(Basic(8), Basic(8)),
+                        nn.Sequential(Basic(8), Basic(8)), nn.Flatten(), nn.LazyLinear(2))
+    assert blocks.find(cnn) == (Basic,)
+    assert len(FSDP().units(cnn)) == 4
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert blocks.find(mlp) == ()  # plain layers are not blocks: the size rule applies
+
+
+class Declares(Tiny):
+    _no_split_modules = ["Block"]  # as transformers models declare their blocks
+
+
+class TiedLM(nn.Module):
+    def __init__(self, vocab=1000, d=32):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.body = nn.Linear(d, d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as GPT-2's
+
+
+def test_declared_blocks_and_tied_weights_stay_in_one_unit():
+    from nbtrain.strategies import blocks
+
+    assert blocks.declared(Declares()) == (Block,)
+    model = TiedLM()
+    # the size rule alone would make wte and lm_head units of their own: one weight in two
+    assert FSDP().units(model) == []  # both stay with the root
+    assert FSDP(wrap=(nn.Embedding,)).units(model) == []

@@ -39,8 +39,12 @@ class Strategy:
     # Preferred start method of an alias ("ddp_notebook" -> fork); None: no preference.
     start_method: Literal["fork", "spawn"] | None = None
     # Module classes whose forward is recomputed in backward instead of keeping its
-    # activations (torch's non-reentrant checkpoint wrapper), e.g. (Block,).
-    activation_checkpointing: tuple[type[nn.Module], ...] | None = None
+    # activations (torch's non-reentrant checkpoint wrapper), e.g. (Block,); "auto" (or
+    # True): the model's own blocks (strategies.blocks).
+    activation_checkpointing: tuple[type[nn.Module], ...] | str | None = None
+    # BatchNorm with the statistics of the whole batch across ranks (torch's
+    # SyncBatchNorm; Lightning's Trainer(sync_batchnorm=True)). CUDA only.
+    sync_batchnorm: bool = False
 
     description: ClassVar[str] = ""
     accelerators: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
@@ -65,6 +69,21 @@ class Strategy:
         if plan.accelerator not in self.accelerators:
             raise ValueError(f"strategy {self.name!r} needs {' or '.join(self.accelerators)}, "
                              f"but the accelerator is {plan.accelerator}.")
+        if self.sync_batchnorm and plan.accelerator != "cuda":
+            raise ValueError(
+                "sync_batchnorm=True needs GPUs: torch's SyncBatchNorm refuses CPU tensors. "
+                "On CPU each rank normalises with its own batch's statistics (what you get "
+                "without the option, and what DDP on GPUs does by default); drop "
+                "sync_batchnorm=True here, or run with accelerator='cuda'.")
+
+    def prepare_module(self, module: nn.Module) -> nn.Module:
+        """Changes to the model made before anything else sees it (``ctx.setup`` calls
+        it first): SyncBatchNorm when asked."""
+        if self.sync_batchnorm:
+            from .norms import convert_to_sync
+
+            return convert_to_sync(module)
+        return module
 
     def setup_module(self, module: nn.Module, ctx: Host) -> nn.Module:
         raise NotImplementedError
@@ -90,8 +109,18 @@ class Strategy:
             get_model_state_dict,
         )
 
+        from .norms import sync_statistics
+
+        sync_statistics(module)  # rank 0's running statistics, as a checkpoint holds
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(module, options=options)
+        full = get_model_state_dict(module, options=options)
+        # On CPU the "offloaded" whole tensors of an unsharded model are the live ones: a
+        # snapshot taken before training would change with every step. Copy those.
+        live = {t.untyped_storage().data_ptr() for t in (*module.parameters(),
+                                                         *module.buffers())
+                if t.device.type == "cpu" and type(t) in (torch.Tensor, nn.Parameter)}
+        return {k: v.clone() if isinstance(v, torch.Tensor)
+                and v.untyped_storage().data_ptr() in live else v for k, v in full.items()}
 
     def checkpoint_activations(self, module: nn.Module) -> dict[int, nn.Module]:
         """Apply activation checkpointing when asked: ``{id(block): wrapper}``."""
@@ -104,9 +133,14 @@ class Strategy:
     def summary(self) -> str:
         extras = [f"mixed_precision={self.mixed_precision}"] if self.mixed_precision else []
         if self.activation_checkpointing:
-            extras.append("activation_checkpointing=" + ",".join(
-                c.__name__ for c in self.activation_checkpointing))
+            extras.append("activation_checkpointing=" + checkpointed(self))
         return self.name + (f" ({', '.join(extras)})" if extras else "")
+
+
+def checkpointed(strategy: Strategy) -> str:
+    """``activation_checkpointing`` as the summary shows it."""
+    ac = strategy.activation_checkpointing
+    return ac if isinstance(ac, str) else ",".join(c.__name__ for c in ac)
 
 
 def autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:

@@ -1,11 +1,13 @@
 """FSDP with torch's own ``fully_shard`` (FSDP2): parameters, gradients and optimizer
 state are sharded across ranks as DTensors.
 
-Which modules become FSDP units: the classes in ``wrap`` when given; otherwise, top-down,
-each child module holding at least ``min_wrap_params`` parameters (default: 1/20 of the
-model). Entries of a ModuleList are blocks and stay whole (one unit per transformer
-layer); other modules holding over a quarter of the model are trunks, looked inside.
-Then the root, which owns whatever is left.
+Which modules become FSDP units: the classes in ``wrap`` when given; otherwise the
+model's blocks (``blocks.find``: the classes it declares in ``_no_split_modules``, as
+transformers models do, else its repeated block class); a model without blocks gets the
+size rule: top-down, each child module holding at least ``min_wrap_params`` parameters
+(default: 1/20 of the model), entries of a ModuleList staying whole, and modules holding
+over a quarter of the model looked inside. Then the root, which owns whatever is left.
+Tied parameters always stay in one unit (``blocks.untie_units``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from .base import Host, Strategy
+from . import norms
+from .base import Host, Strategy, checkpointed
 
 if TYPE_CHECKING:
     from ..launch.devices import DevicePlan
@@ -27,9 +30,11 @@ class FSDP(Strategy):
     # True: free gathered parameters after forward and gather again for backward (ZeRO-3).
     # False: keep them until backward (SHARD_GRAD_OP / ZeRO-2 behaviour).
     reshard_after_forward: bool = True
-    # Module classes to make FSDP units (e.g. (TransformerBlock,)); None: size-based.
+    # Module classes to make FSDP units (e.g. (TransformerBlock,)); None: the model's
+    # blocks (declared or repeated), else size-based.
     wrap: tuple[type[nn.Module], ...] | None = None
-    # Size threshold for the size-based rule; None: 1/20 of the model's parameters.
+    # Size threshold for the size-based rule (given, it chooses that rule over the
+    # model's blocks); None: 1/20 of the model's parameters.
     min_wrap_params: int | None = None
     # Keep sharded parameters, gradients and optimizer state on CPU (CUDA only).
     offload: bool = False
@@ -75,9 +80,18 @@ class FSDP(Strategy):
 
     def units(self, model: nn.Module) -> list[nn.Module]:
         """The submodules that become FSDP units, children before parents (root excluded)."""
-        if self.wrap:
-            return [m for m in reversed(list(model.modules()))
-                    if m is not model and isinstance(m, self.wrap)]
+        from . import blocks
+
+        # min_wrap_params given: the size rule was asked for
+        classes = self.wrap or (() if self.min_wrap_params else blocks.find(model))
+        if classes:
+            units = [m for m in reversed(list(model.modules()))
+                     if m is not model and isinstance(m, classes)]
+        else:
+            units = self._by_size(model)
+        return blocks.untie_units(model, units)
+
+    def _by_size(self, model: nn.Module) -> list[nn.Module]:
         total = _count(model)
         threshold = self.min_wrap_params or max(1, total // 20)
         units: list[nn.Module] = []
@@ -131,9 +145,15 @@ class FSDP(Strategy):
                        mp_policy=mp_policy, offload_policy=offload)
         units = self.units(module)
         wrappers = self.checkpoint_activations(module)  # FSDP shards the wrapper
+        if dtype:  # norm layers with statistics compute in fp32 (norms.py)
+            fp32 = dict(options, mp_policy=norms.fp32_policy(dtype))
+            for norm in norms.with_statistics(module):
+                if norm not in units and any(True for _ in norm.parameters()):
+                    fully_shard(norm, **fp32)
         for unit in units:
             fully_shard(wrappers.get(id(unit), unit), **options)
         fully_shard(module, **options)
+        norms.broadcast_before_forward(module)  # DDP's rule for running statistics
         return module
 
     def grad_scaler(self, ctx: Host):
@@ -151,8 +171,7 @@ class FSDP(Strategy):
         if self.wrap:
             extras.append("wrap=" + ",".join(w.__name__ for w in self.wrap))
         if self.activation_checkpointing:
-            extras.append("activation_checkpointing=" + ",".join(
-                c.__name__ for c in self.activation_checkpointing))
+            extras.append("activation_checkpointing=" + checkpointed(self))
         return self.name + (f" ({', '.join(extras)})" if extras else "")
 
 
