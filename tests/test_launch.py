@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from torch import nn
 from workloads import chatty, fail_on, sleeper, train, train_single, unpicklable
 
 import nbtrain
@@ -305,3 +306,32 @@ def test_stopping_the_resource_tracker_never_hangs_on_a_leftover_holder():
     finally:
         os.kill(holder, signal.SIGKILL)
         os.waitpid(holder, 0)
+
+
+def takes_lr(ctx, lr=0.1):
+    return (lr, ctx.strategy.name, ctx.strategy.mixed_precision,
+            ctx.strategy.activation_checkpointing)
+
+
+def test_strategy_options_given_to_launch_reach_the_strategy():
+    run = nbtrain.launch(takes_lr, devices=2, strategy="fsdp", lr=0.5,
+                         mixed_precision="bf16", activation_checkpointing="auto")
+    assert run.results == [(0.5, "fsdp", "bf16", "auto")] * 2
+    assert run.strategy.mixed_precision == "bf16"
+
+
+def test_an_argument_that_fits_nowhere_fails_before_anything_starts():
+    from conftest import descendants
+
+    before = len(descendants(os.getpid()))
+    with pytest.raises(TypeError, match=r"takes_lr\(ctx, lr=0\.1\) takes no argument 'wrap'.*"
+                                        r"strategy 'ddp'.*activation_checkpointing"):
+        nbtrain.launch(takes_lr, devices=2, strategy="ddp", wrap=(nn.Linear,))
+    with pytest.raises(TypeError, match="cannot be called with"):
+        nbtrain.launch(takes_lr, 1, 2, 3, devices=2)
+    assert len(descendants(os.getpid())) == before
+
+
+def test_sync_batchnorm_on_cpu_says_what_it_needs():
+    with pytest.raises(ValueError, match="sync_batchnorm=True needs GPUs"):
+        nbtrain.launch(takes_lr, devices=2, accelerator="cpu", sync_batchnorm=True)

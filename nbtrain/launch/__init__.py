@@ -17,6 +17,7 @@ from ..strategies import Strategy
 from ..telemetry.channel import TelemetryServer
 from ..telemetry.options import Telemetry
 from ..telemetry.sinks import Sink
+from . import calls
 from .devices import parse_devices, threads_per_worker
 from .fork import ForkLauncher
 from .guards import choose_start_method, fork_threads
@@ -40,6 +41,14 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
            resume: str | os.PathLike | None = None, seed: int | None = None,
            **kwargs: Any) -> Run:
     """Run ``fn(ctx, *args, **kwargs)`` once per rank, one rank per device.
+
+    A function written without ``ctx`` (for torchrun or ``notebook_launcher``: ``def
+    main():``, ``def main(cfg):``) is called as it is, ``fn(*args, **kwargs)``: which one
+    the arguments fit decides (a first parameter named ``ctx`` when both do). Keywords
+    that ``fn`` does not name and that are options of the strategy
+    (``activation_checkpointing="auto"``, ``mixed_precision="bf16"``,
+    ``sync_batchnorm=True``, FSDP's ``wrap=``, ...) configure the strategy; anything else
+    ``fn`` cannot take fails here, before any worker starts.
 
     Args:
         devices: a count, a list of GPU indices, ``"auto"`` (all GPUs; 1 process on CPU)
@@ -84,8 +93,8 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
     rank raises ``WorkerError`` in its process. ``NBTRAIN_ATTACH=HOST:PORT:TOKEN`` (from
     ``nbtrain.listen()``) streams every rank's events to that notebook.
     """
-    resume, base_seed, options, chosen = _check_run_args(
-        "launch()", fn, timeout, dashboard, resume, seed, telemetry, strategy)
+    fn, kwargs, resume, base_seed, options, chosen = _check_run_args(
+        "launch()", fn, args, kwargs, timeout, dashboard, resume, seed, telemetry, strategy)
     if under_torchrun():  # rank 0 picks the base seed there, and tells the others
         return run_in_process(fn, args, kwargs, chosen, accelerator, options, sinks,
                               dashboard, resume, seed)
@@ -121,9 +130,12 @@ def _wait_in_cell(run: Run, stop_timeout: float = 10.0) -> Run:
     return run
 
 
-def _check_run_args(who: str, fn, timeout, dashboard, resume, seed, telemetry, strategy):
+def _check_run_args(who: str, fn, args, kwargs, timeout, dashboard, resume, seed,
+                    telemetry, strategy):
     """What ``launch()`` and ``pool.launch()`` take alike, checked before anything starts:
-    the resume path, the base seed, the telemetry options and the strategy."""
+    how ``fn`` is called (with ``ctx`` or without, which keywords are the strategy's;
+    ``calls.py``), the resume path, the base seed, the telemetry options and the
+    strategy."""
     if not callable(fn):
         raise TypeError(f"{who} takes the function to run first; got {type(fn).__name__}.")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
@@ -131,8 +143,9 @@ def _check_run_args(who: str, fn, timeout, dashboard, resume, seed, telemetry, s
     if dashboard not in DASHBOARDS:
         raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, False, or "
                          "force one view: 'widget', 'static' or 'text'.")
-    return (_resume_path(resume), seeding.base_seed(seed), Telemetry.from_arg(telemetry),
-            strategies.get(strategy))
+    fn, kwargs, chosen = calls.plan(who, fn, args, kwargs, strategies.get(strategy))
+    return (fn, kwargs, _resume_path(resume), seeding.base_seed(seed),
+            Telemetry.from_arg(telemetry), chosen)
 
 
 def _start_method(requested: str, strategy: Strategy) -> str:

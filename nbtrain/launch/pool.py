@@ -408,8 +408,9 @@ class RankPool:
         from .spawn import serialize
 
         self._check_open()
-        resume, base_seed, options, chosen = _check_run_args(
-            "pool.launch()", fn, timeout, dashboard, resume, seed, telemetry, strategy)
+        fn, kwargs, resume, base_seed, options, chosen = _check_run_args(
+            "pool.launch()", fn, args, kwargs, timeout, dashboard, resume, seed, telemetry,
+            strategy)
         chosen.check(self.plan)
         if chosen.start_method and chosen.start_method != self.start_method:
             raise ValueError(f"strategy {chosen.name!r} means start_method="

@@ -46,6 +46,18 @@ def _bootstrap_stacks() -> None:
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
 
+class CallWithoutCtx:
+    """A function written without ``ctx`` (for torchrun or ``notebook_launcher``), called
+    as it is: ``fn(*args, **kwargs)`` (see ``launch/calls.py``)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self, ctx, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
 def main(spec: WorkerSpec, payload: Any, control, out_w, err_w, commands) -> None:
     """Entry point of a worker process. Never returns: the process exits here."""
     run_as_worker(spec, out_w, err_w, lambda: _run(spec, payload, control, commands))

@@ -1,0 +1,87 @@
+"""How ``launch(fn, *args, **kwargs)`` calls ``fn``, decided in the kernel before anything
+starts.
+
+Whether ``fn`` takes ``ctx``: a function written for nbtrain takes it first
+(``def train(ctx, lr)``); one written for torchrun or ``notebook_launcher`` does not
+(``def main():``, ``def main(cfg):``) and is called as it is. The arguments decide: ``fn``
+takes ``ctx`` when ``fn(ctx, *args, **kwargs)`` fits its signature and ``fn(*args,
+**kwargs)`` does not, and is called without it in the opposite case. When both fit
+(``def f(*args)``, defaults everywhere), a first parameter named ``ctx`` (or annotated
+``Context``) means it takes ``ctx``. When neither fits, ``launch()`` fails with the
+signature.
+
+Where each keyword goes: to ``fn`` when its signature names it; else to the strategy
+when it is one of the strategy's options (``activation_checkpointing="auto"``,
+``mixed_precision="bf16"``, ``wrap=``, ``sync_batchnorm=True``, ...); else to ``fn`` when it
+takes ``**kwargs``; else ``launch()`` fails, saying where it could go.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+from ..strategies import Strategy, get
+from .worker import CallWithoutCtx
+
+_NOT_OPTIONS = ("name", "start_method")
+
+
+def options_of(strategy: Strategy) -> list[str]:
+    return [f.name for f in dataclasses.fields(strategy) if f.name not in _NOT_OPTIONS]
+
+
+def plan(who: str, fn, args: tuple, kwargs: dict, strategy: Strategy
+         ) -> tuple[Any, dict, Strategy]:
+    """``(what the workers call with ctx first, its keyword arguments, the strategy with
+    the options given to launch())``."""
+    name = getattr(fn, "__name__", type(fn).__name__)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: pass everything on
+        return fn, kwargs, strategy
+    params = signature.parameters
+    named = {n for n, p in params.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    own, options = {}, {}
+    known = options_of(strategy)
+    for key, value in kwargs.items():
+        if key in named:
+            own[key] = value
+        elif key in known:
+            options[key] = value
+        elif takes_any:
+            own[key] = value
+        else:
+            raise TypeError(
+                f"{who}: {name}{signature} takes no argument {key!r}, and it is not an "
+                f"option of strategy {strategy.name!r} (those are: {', '.join(known)}). "
+                f"Pass it to {name} by adding it to its parameters, or give the strategy "
+                f"one of its options.")
+    if options:
+        strategy = get(strategy, **options)
+    with_ctx = _fits(signature, (None, *args), own)
+    without = _fits(signature, args, own)
+    if with_ctx and without:
+        first = next(iter(params.values()), None)
+        with_ctx = first is not None and first.kind is not first.VAR_POSITIONAL and (
+            first.name == "ctx" or getattr(first.annotation, "__name__", first.annotation)
+            in ("Context", "nbtrain.Context"))
+    elif not with_ctx and not without:
+        given = ", ".join([*(repr(a) for a in args), *(f"{k}=..." for k in own)])
+        raise TypeError(
+            f"{who}: {name}{signature} cannot be called with ({given}), with or without "
+            f"ctx first. nbtrain calls fn(ctx, *args, **kwargs) for a function that takes "
+            f"ctx, and fn(*args, **kwargs) for one that does not; give {who} the "
+            f"arguments {name} takes.")
+    return (fn if with_ctx else CallWithoutCtx(fn)), own, strategy
+
+
+def _fits(signature: inspect.Signature, args: tuple, kwargs: dict) -> bool:
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
