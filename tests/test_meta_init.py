@@ -103,3 +103,28 @@ def test_init_functions_are_restored_after_the_block():
     with meta_init.record():
         assert nn.init.trunc_normal_ is not original
     assert nn.init.trunc_normal_ is original
+
+
+class Experts(nn.Module):
+    """Parameters made with torch.empty (transformers 5's fused experts, routers)."""
+
+    def __init__(self, init: bool):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(4, 8, 16))
+        self.router = nn.Linear(8, 4)
+        if init:
+            nn.init.normal_(self.gate_up, std=0.02)
+
+
+def test_a_parameter_nothing_initialised_is_named_not_trained_on():
+    with meta_init.record() as rec:
+        model = Experts(init=False)
+    with pytest.raises(RuntimeError, match=r"Experts\.gate_up was created with torch\.empty"):
+        meta_init.plan(model, rec)
+    with meta_init.record() as rec:
+        torch.manual_seed(0)
+        model = Experts(init=True)
+    refs = meta_init.plan(model, rec)
+    meta_init.materialize(model, torch.device("cpu"), refs)
+    torch.manual_seed(0)
+    assert torch.equal(model.gate_up, Experts(init=True).gate_up)

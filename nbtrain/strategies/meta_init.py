@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -321,13 +322,39 @@ def _wrap_init(name: str, rec: Recording):
 @contextlib.contextmanager
 def _recorded_inits(rec: Recording):
     originals = {name: getattr(nn.init, name) for name in _SKIP_META}
+    # transformers keeps torch's init functions in a table of its own, taken at import
+    hf = getattr(sys.modules.get("transformers.initialization"), "TORCH_INIT_FUNCTIONS", None)
+    hf_originals = {name: hf[name] for name in _SKIP_META if name in hf} if hf else {}
     try:
         for name in _SKIP_META:
             setattr(nn.init, name, _wrap_init(name, rec))
+        for name in hf_originals:
+            hf[name] = getattr(nn.init, name)
         yield
     finally:
         for name, fn in originals.items():
             setattr(nn.init, name, fn)
+        for name, fn in hf_originals.items():
+            hf[name] = fn
+
+
+@contextlib.contextmanager
+def _transformers_initialise():
+    """transformers 5 skips a model's own weight initialisation (``_init_weights``: the
+    0.02 normal of GPT-2's embeddings, its scaled ``c_proj``) when it sees the meta
+    device, which made ``init_module()`` give other weights than plain construction.
+    Inside the block it is told there is no meta device, so the model initialises its
+    meta tensors as it would real ones, and the recorder sees every draw, in order."""
+    utils = sys.modules.get("transformers.modeling_utils")
+    probe = getattr(utils, "get_torch_context_manager_or_global_device", None)
+    if probe is None:  # not imported, or a version that initialises on meta anyway
+        yield
+        return
+    utils.get_torch_context_manager_or_global_device = lambda: None
+    try:
+        yield
+    finally:
+        utils.get_torch_context_manager_or_global_device = probe
 
 
 class _TensorData(torch.overrides.TorchFunctionMode):
@@ -360,7 +387,8 @@ def record(rec: Recording | None = None):
     handles = [register_module_parameter_registration_hook(registered),
                register_module_buffer_registration_hook(registered)]
     try:
-        with torch.device(_META), _TensorData(), _Recorder(rec), _recorded_inits(rec):
+        with torch.device(_META), _TensorData(), _Recorder(rec), _recorded_inits(rec), \
+                _transformers_initialise():
             yield rec
     finally:
         for h in handles:
@@ -391,8 +419,26 @@ def plan(module: nn.Module, rec: Recording | None) -> dict[tuple[int, str], _Ref
                     f"ctx.setup(): {type(m).__name__}.{name} was changed in place after the "
                     "`with ctx.init_module():` block; only what happens inside the block "
                     "is replayed. Move that initialisation inside the block.")
-            out[(id(m), name)] = rec.ref(t)
+            ref = rec.ref(t)
+            if _uninitialised(ref):
+                raise RuntimeError(
+                    f"ctx.setup(): {type(m).__name__}.{name} was created with torch.empty "
+                    "inside `with ctx.init_module():` and nothing wrote its values, so it "
+                    "would hold whatever memory it got. Initialise it (e.g. "
+                    "nn.init.normal_ in the module's __init__ or reset_parameters), or build "
+                    "the model outside ctx.init_module().")
+            out[(id(m), name)] = ref
     return out
+
+
+_EMPTY = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+          aten.new_empty.default, aten.new_empty_strided.default}
+
+
+def _uninitialised(ref: _Ref) -> bool:
+    """Made by an ``empty`` op and never written (before ``ref``'s version)."""
+    e = ref.entry
+    return e.creator is not None and e.creator.func in _EMPTY and not e.ops[:ref.version]
 
 
 def materialize(module: nn.Module, device: torch.device, refs: dict) -> None:
