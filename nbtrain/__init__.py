@@ -6,7 +6,7 @@
     watch = nbtrain.listen(host="0.0.0.0")   # watch a torchrun job: NBTRAIN_ATTACH=watch.address
 """
 
-from . import strategies
+from . import checkpoint, strategies
 from .context import Context
 from .errors import RunStoppedError, RunTimeoutError, WorkerError
 from .launch import launch
@@ -18,7 +18,7 @@ from .watch import listen
 
 __all__ = ["Context", "RankPool", "Run", "RunStoppedError", "RunTimeoutError",
            "StrategyPicker", "Telemetry", "WorkerError", "compare", "last_run", "launch",
-           "listen", "progress", "strategies"]
+           "listen", "progress", "strategies", "checkpoint"]
 __version__ = "0.1.0"
 
 

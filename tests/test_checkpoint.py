@@ -119,3 +119,28 @@ def test_an_interrupted_run_resumes_where_its_last_checkpoint_was(kernel_clean, 
     diff = float(reply.stdout.split("diff ")[1].split()[0])
     assert diff < 1e-4, reply.stdout  # the loss curve goes on as if never interrupted
     assert "steps True" in reply.stdout
+
+
+def snapshot_then_train(ctx):
+    model, opt = ctx.setup(torch.nn.Linear(4, 4), torch.optim.SGD(
+        torch.nn.Linear(4, 4).parameters(), lr=0.1))
+    before = ctx.full_state_dict(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx.backward(model(torch.ones(2, 4)).sum())
+    opt.step()
+    after = ctx.full_state_dict(model)
+    return ctx.rank == 0 and not torch.equal(before["weight"], after["weight"])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_full_state_dict_is_a_snapshot(strategy, no_leftovers):
+    # on CPU under ddp it returned the live parameters: the "before" changed with the step
+    run = nbtrain.launch(snapshot_then_train, devices=2, accelerator="cpu", strategy=strategy,
+                         dashboard=False)
+    assert run.results == [True, False]
+
+
+def test_what_the_resume_error_names_is_reachable(tmp_path):
+    with pytest.raises(ValueError, match=r"nbtrain\.checkpoint\.exists\(path\)"):
+        nbtrain.launch(snapshot_then_train, devices=2, resume=tmp_path / "none")
+    assert nbtrain.checkpoint.exists(tmp_path / "none") is False  # after `import nbtrain`

@@ -204,3 +204,18 @@ def test_without_a_dataloader_each_optimizer_step_is_one_timed_step():
         assert [e.step for e in steps] == [0, 1, 2, 3, 4]
         durations = [e.duration for e in steps]
         assert all(0.02 <= d < 0.2 for d in durations), durations  # none ~0, none holds the tail
+
+
+def test_the_summary_shows_the_bytes_a_step_really_moves():
+    from nbtrain.telemetry.history import History
+    from nbtrain.telemetry.summary import summarize
+
+    history = History()
+    mb = 2**20
+    # DDP: the first step's buckets are rebuilt, so calls per step are not whole
+    for step, (calls, size) in enumerate([(1, int(20.5 * mb)), (2, int(20.5 * mb))]):
+        history.append(Step(rank=0, step=step, t=float(step), duration=0.1, samples=8))
+        history.append(Comm(rank=0, step=step, t=float(step), counts={"all_reduce": calls},
+                            bytes={"all_reduce": size}))
+    text = str(summarize(history, 1))
+    assert "20.50 MB in 1.5 calls" in text, text  # it read "2 × 13.67 MB"

@@ -70,8 +70,7 @@ class Summary:
                  _fmt(r.samples_per_s, 1, ".0f")]
                 + [_fmt(r.metrics.get(k), 1, ".4g") for k in metric_names]
                 + [_fmt(r.memory.get(k), 1 / 2**20, ".2f") for k in memory_names]
-                + [(f"{c['calls']:.0f} × {c['bytes'] / max(c['calls'], 1) / 2**20:.2f} MB"
-                    if (c := r.comm_per_step.get(op)) else "-") for op in ops])
+                + [_comm(r.comm_per_step.get(op)) for op in ops])
         widths = [max(len(row[i]) for row in table) for i in range(len(header))]
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in table]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -81,6 +80,14 @@ class Summary:
 
     def __repr__(self) -> str:
         return str(self)
+
+
+def _comm(figures: dict[str, float] | None) -> str:
+    """One collective's traffic per step: its bytes, then its calls (an average, so not
+    always whole: DDP's first step has no bucket all-reduce of its own)."""
+    if not figures:
+        return "-"
+    return f"{figures['bytes'] / 2**20:.2f} MB in {figures['calls']:.3g} calls"
 
 
 def _fmt(value, scale: float, spec: str) -> str:
