@@ -1,0 +1,170 @@
+"""The models users bring, built from small configs (random weights, nothing downloaded),
+and one training function that runs any of them under any strategy, beside the same
+training in one process.
+
+- ``gpt2``: transformers' GPT-2 (tied ``wte``/``lm_head``), a causal LM;
+- ``llama``: transformers' Llama (RMSNorm, rotary embeddings, grouped-query attention);
+- ``vit``: transformers' ViT image classifier (timm's needs torchvision, which does not
+  import beside the CPU torch here; the same kind of model: patch embedding, blocks of
+  attention with LayerNorm, a class token);
+- ``cnn``: a small ResNet written by hand (BatchNorm everywhere, residual blocks in
+  ``Sequential`` stages), as torchvision's would be.
+
+Every step each rank trains on its slice of one global batch. The one-process reference
+(``reference``) runs the same slices one after the other and averages their gradients,
+which is what DDP and FSDP compute; a BatchNorm layer there keeps the running
+statistics of rank 0's slice, as DDP's (and nbtrain's FSDP's) broadcast from rank 0 does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+KINDS = ("gpt2", "llama", "vit", "cnn")
+VOCAB, SEQ, PER_RANK = 96, 12, 4
+
+
+class Basic(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.short = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                    nn.BatchNorm2d(cout))
+                      if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x):
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.short(x))
+
+
+class ResNet(nn.Module):
+    def __init__(self, classes: int = 10, width: int = 8):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False),
+                                  nn.BatchNorm2d(width), nn.ReLU())
+        self.layer1 = nn.Sequential(Basic(width, width), Basic(width, width))
+        self.layer2 = nn.Sequential(Basic(width, 2 * width, 2), Basic(2 * width, 2 * width))
+        self.fc = nn.Linear(2 * width, classes)
+
+    def forward(self, x):
+        x = self.layer2(self.layer1(self.stem(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+def make(kind: str) -> nn.Module:
+    if kind == "cnn":
+        return ResNet()
+    import transformers as tf
+
+    if kind == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+            bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))  # dropout draws differ per rank
+    if kind == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
+            max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
+            pad_token_id=0))
+    if kind == "vit":
+        return tf.ViTForImageClassification(tf.ViTConfig(
+            image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
+            num_attention_heads=2, intermediate_size=64, num_labels=10))
+    raise ValueError(kind)
+
+
+def batch(kind: str, step: int, rank: int, world_size: int = 2):
+    """Rank ``rank``'s slice of step ``step``'s global batch."""
+    g = torch.Generator().manual_seed(1000 + step)
+    n = PER_RANK * world_size
+    if kind in ("gpt2", "llama"):
+        ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+        return {"input_ids": ids[rank::world_size]}
+    images = torch.randn(n, 3, 16, 16, generator=g)
+    labels = torch.randint(0, 10, (n,), generator=g)
+    return {"x": images[rank::world_size], "y": labels[rank::world_size]}
+
+
+def loss_of(kind: str, model: nn.Module, b: dict) -> torch.Tensor:
+    if kind in ("gpt2", "llama"):
+        return model(input_ids=b["input_ids"], labels=b["input_ids"]).loss
+    if kind == "vit":
+        return model(pixel_values=b["x"], labels=b["y"]).loss
+    return nn.functional.cross_entropy(model(b["x"]), b["y"])
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    # SGD with momentum: an exact comparison (Adam turns fp32 noise in a near-zero
+    # gradient into a full-size step)
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _to(b: dict, device) -> dict:
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def fit(ctx, kind: str, steps: int = 3, meta: bool = False, save: str | None = None,
+        save_at: int | None = None):
+    """Train ``kind`` for ``steps`` steps; with ``ctx.resume_from``, go on from that
+    checkpoint. Returns the losses, the full state dict (rank 0) and this rank's norm
+    statistics."""
+    torch.manual_seed(0)
+    if meta:
+        with ctx.init_module():
+            model = make(kind)
+    else:
+        model = make(kind)
+    opt = _optimizer(model)
+    model, opt = ctx.setup(model, opt)
+    start = 0
+    if ctx.resume_from:
+        state = ctx.load(ctx.resume_from, {"model": model, "optimizer": opt, "step": 0})
+        start = state["step"] + 1
+    losses = []
+    for step in range(start, steps):
+        loss = loss_of(kind, model, _to(batch(kind, step, ctx.rank, ctx.world_size),
+                                        ctx.device))
+        ctx.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        ctx.log(loss=loss)
+        losses.append(loss.item())
+        if save and step == save_at:
+            ctx.save(save, {"model": model, "optimizer": opt, "step": step})
+    full = ctx.full_state_dict(model)
+    inner = getattr(model, "module", model)
+    stats = {n: b.detach().clone() for n, b in inner.named_buffers() if "running" in n}
+    return {"losses": losses, "full": full, "stats": stats}
+
+
+def reference(kind: str, steps: int = 3, world_size: int = 2) -> dict:
+    """The same training in one process (see the module docstring)."""
+    torch.manual_seed(0)
+    model = make(kind)
+    opt = _optimizer(model)
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
+    losses = []
+    for step in range(steps):
+        per_rank = []
+        for rank in range(world_size):
+            saved = None
+            if rank > 0:  # DDP keeps rank 0's running statistics
+                saved = [(m, m.momentum, m.num_batches_tracked.clone()) for m in norms]
+                for m in norms:
+                    m.momentum = 0.0
+            loss = loss_of(kind, model, batch(kind, step, rank, world_size))
+            (loss / world_size).backward()
+            per_rank.append(loss.item())
+            for m, momentum, count in saved or []:
+                m.momentum = momentum
+                m.num_batches_tracked.copy_(count)
+        opt.step()
+        opt.zero_grad()
+        losses.append(per_rank)
+    return {"losses": losses, "full": {k: v.detach().clone()
+                                       for k, v in model.state_dict().items()}}

@@ -1,0 +1,98 @@
+"""The models users bring (Hugging Face GPT-2 and Llama, a ViT, a ResNet with BatchNorm;
+built from configs, see ``models.py``) train under every strategy as they do in one
+process, with no class name given: default FSDP wrapping, activation checkpointing
+``"auto"``, ``ctx.init_module()``, a checkpoint saved under fsdp and resumed under ddp,
+and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import KINDS, fit, make, reference
+
+import nbtrain
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+STEPS = 3
+# Strategy name and options, all given to launch() itself (they reach the strategy).
+CASES = {
+    "ddp": ("ddp", {}),
+    "fsdp": ("fsdp", {}),
+    "fsdp_grad_op": ("fsdp_grad_op", {}),
+    "zero1": ("zero1", {}),
+    "fsdp+ac": ("fsdp", {"activation_checkpointing": "auto"}),
+    "ddp+ac": ("ddp", {"activation_checkpointing": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {kind: reference(kind, STEPS) for kind in KINDS}
+
+
+def launch(kind, strategy="ddp", **options):
+    return nbtrain.launch(fit, kind, steps=STEPS, devices=2, accelerator="cpu",
+                          strategy=strategy, dashboard=False, **options)
+
+
+def check(run, ref, kind, what, first_step=0):
+    for rank in (0, 1):
+        expected = [per_rank[rank] for per_rank in ref["losses"][first_step:]]
+        assert run.results[rank]["losses"] == pytest.approx(expected, rel=1e-5, abs=1e-6), \
+            f"{kind} {what}: rank {rank}'s losses differ from one process"
+    full = run.result["full"]
+    missing = set(ref["full"]) - set(full)
+    assert not missing, f"{kind} {what}: the full state dict lacks {sorted(missing)[:5]}"
+    for name, value in ref["full"].items():
+        torch.testing.assert_close(full[name], value, rtol=1e-4, atol=1e-5,
+                                   msg=f"{kind} {what}: {name} differs from one process")
+    stats = [run.results[r]["stats"] for r in (0, 1)]
+    for name in stats[0]:  # every rank holds rank 0's running statistics
+        assert torch.equal(stats[0][name], stats[1][name]), f"{kind} {what}: {name}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_model_trains_under_a_strategy_as_in_one_process(kind, case, references):
+    strategy, options = CASES[case]
+    check(launch(kind, strategy, **options), references[kind], kind, case)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_init_module_gives_the_weights_of_plain_construction(kind, references):
+    # the weights ctx.init_module() materialises under fsdp are plain construction's
+    # (transformers' own _init_weights included), so the training is the same
+    run = launch(kind, "fsdp", meta=True)
+    check(run, references[kind], kind, "init_module under fsdp")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_checkpoint_saved_under_fsdp_goes_on_under_ddp(kind, references, tmp_path):
+    path = tmp_path / "ckpt"
+    saved = launch(kind, "fsdp", save=str(path), save_at=1)
+    resumed = nbtrain.launch(fit, kind, steps=STEPS, devices=2, accelerator="cpu",
+                             strategy="ddp", resume=path, dashboard=False)
+    check(resumed, references[kind], kind, "saved under fsdp, resumed under ddp",
+          first_step=2)
+    # the checkpoint holds what full_state_dict gave at that step, on every rank alike
+    state = nbtrain.checkpoint.load(path, {"model": make(kind), "step": 0})
+    assert state["step"] == 1
+    assert saved.status == "done"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_bf16_trains_close_to_fp32(kind, strategy, references):
+    run = launch(kind, strategy, mixed_precision="bf16")
+    ref = references[kind]
+    for rank in (0, 1):
+        expected = [per_rank[rank] for per_rank in ref["losses"]]
+        assert run.results[rank]["losses"] == pytest.approx(expected, rel=0.05), \
+            f"{kind} bf16 {strategy}: rank {rank}"
+    for name, value in ref["full"].items():
+        got = run.result["full"][name]
+        assert got.dtype == value.dtype  # fp32 master weights
+        torch.testing.assert_close(got, value, rtol=0.05, atol=0.02,
+                                   msg=f"{kind} bf16 {strategy}: {name}")
