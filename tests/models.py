@@ -64,13 +64,13 @@ def make(kind: str) -> nn.Module:
         return tf.GPT2LMHeadModel(tf.GPT2Config(
             n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
             bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0))  # dropout draws differ per rank
+            attn_pdrop=0.0, loss_type="ForCausalLM"))  # dropout draws differ per rank
     if kind == "llama":
         return tf.LlamaForCausalLM(tf.LlamaConfig(
             hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
             max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
-            pad_token_id=0))
+            pad_token_id=0, loss_type="ForCausalLM"))
     if kind == "vit":
         return tf.ViTForImageClassification(tf.ViTConfig(
             image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
@@ -142,8 +142,25 @@ def fit(ctx, kind: str, steps: int = 3, meta: bool = False, save: str | None = N
     return {"losses": losses, "full": full, "stats": stats}
 
 
-def reference(kind: str, steps: int = 3, world_size: int = 2) -> dict:
-    """The same training in one process (see the module docstring)."""
+def reference(kind: str, steps: int = 3, world_size: int = 2, split: bool = True) -> dict:
+    """The same training in one process (see the module docstring). ``split=False``:
+    each step's whole global batch at once (what SyncBatchNorm's ranks compute
+    together); its losses are then the batch's, once per step."""
+    if not split:
+        torch.manual_seed(0)
+        model = make(kind)
+        opt = _optimizer(model)
+        losses = []
+        for step in range(steps):
+            parts = [batch(kind, step, r, world_size) for r in range(world_size)]
+            whole = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+            loss = loss_of(kind, model, whole)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return {"losses": losses, "full": {k: v.detach().clone()
+                                           for k, v in model.state_dict().items()}}
     torch.manual_seed(0)
     model = make(kind)
     opt = _optimizer(model)

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 import torch
 from kernel import Kernel
+from models import fit, reference
 from workloads import cpu_and_gpu_collectives, param_count, single_in_worker, train
 
 import nbtrain
@@ -239,3 +240,50 @@ def test_a_fresh_kernel_forks_starts_warm_and_says_why_it_spawns():
         assert any("CUDA was queried through torch" in w for w in warned), warned
     finally:
         kernel.shutdown()
+
+
+@pytest.mark.parametrize("precision", [None, "bf16", "fp16"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind", ["gpt2", "cnn"])
+def test_models_users_bring_train_on_cuda(kind, strategy, precision):
+    """A transformers GPT-2 (tied weights) and a BatchNorm ResNet from configs, against the
+    same training in one process on the CPU (models.py)."""
+    pytest.importorskip("transformers")
+    n = _ranks()
+    run = nbtrain.launch(fit, kind, devices=n, accelerator="cuda", strategy=strategy,
+                         mixed_precision=precision, dashboard=False)
+    assert run.start_method == "fork"
+    ref = reference(kind, world_size=n)
+    tight = precision is None
+    for rank in range(n):
+        expected = [per_rank[rank] for per_rank in ref["losses"]]
+        assert run.results[rank]["losses"] == pytest.approx(
+            expected, rel=1e-3 if tight else 0.05), f"rank {rank}"
+    for name, value in ref["full"].items():
+        got = run.result["full"][name]
+        assert got.dtype == value.dtype
+        if tight:
+            torch.testing.assert_close(got, value, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_fsdp_offload_trains_a_transformers_model():
+    pytest.importorskip("transformers")
+    n = _ranks()
+    run = nbtrain.launch(fit, "gpt2", devices=n, accelerator="cuda", strategy="fsdp_offload",
+                         dashboard=False, telemetry=nbtrain.Telemetry(memory_every=1))
+    ref = reference("gpt2", world_size=n)
+    assert run.result["losses"] == pytest.approx([r[0] for r in ref["losses"]], rel=1e-3)
+    mem = run.history.events("memory", 0)[-1].values
+    assert mem["params"] == 0 and mem["params_host"] > 0, mem
+
+
+@two_gpus
+def test_sync_batchnorm_normalises_with_the_whole_batch():
+    """With SyncBatchNorm, two ranks with half a batch each train what one process with
+    the whole batch trains (plain BatchNorm would normalise each half on its own)."""
+    run = nbtrain.launch(fit, "cnn", devices=2, accelerator="cuda", strategy="ddp",
+                         sync_batchnorm=True, dashboard=False)
+    ref = reference("cnn", world_size=2, split=False)
+    for name, value in ref["full"].items():
+        torch.testing.assert_close(run.result["full"][name], value, rtol=1e-3, atol=1e-4,
+                                   msg=name)
