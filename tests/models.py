@@ -64,13 +64,13 @@ def make(kind: str) -> nn.Module:
         return tf.GPT2LMHeadModel(tf.GPT2Config(
             n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
             bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, loss_type="ForCausalLM"))  # dropout draws differ per rank
+            attn_pdrop=0.0))  # dropout draws differ per rank
     if kind == "llama":
         return tf.LlamaForCausalLM(tf.LlamaConfig(
             hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
             max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
-            pad_token_id=0, loss_type="ForCausalLM"))
+            pad_token_id=0))
     if kind == "vit":
         return tf.ViTForImageClassification(tf.ViTConfig(
             image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
