@@ -335,6 +335,10 @@ class Context:
         """
         if not metrics or self._telemetry is None:
             return
+        self._log_at(self.step, metrics)
+        self._logs += 1
+
+    def _log_at(self, step: int, metrics: dict[str, Any]) -> None:
         values: dict[str, Any] = {}
         on_accelerator = False
         for key, value in metrics.items():
@@ -354,8 +358,7 @@ class Context:
                 raise TypeError(f"ctx.log({key}=...) takes numbers or scalar tensors; got "
                                 f"{type(value).__name__}.")
             values[key] = value
-        self._pending.append((self.step, time.monotonic(), values))
-        self._logs += 1
+        self._pending.append((step, time.monotonic(), values))
         if not on_accelerator or len(self._pending) >= _LOG_BATCH:
             self._flush_logs()
 

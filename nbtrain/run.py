@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import pickle
 import sys
@@ -65,6 +66,9 @@ class Run:
         self.start_method = start_method
         self.timeout = timeout
         self.started_at = time.monotonic()
+        # What the run says when it ended well but not as meant (every rank trained
+        # alone: a framework inside saw one device); None otherwise.
+        self.note: str | None = None
         self.ended_at: float | None = None
         self.history = History(self.started_at)
         self.rank_status: dict[int, str] = dict.fromkeys(range(plan.world_size), "starting")
@@ -307,6 +311,12 @@ class Run:
             self.rank_status[rank] = "done"
         self._results = results
         self._status = "done"
+        note = getattr(sup, "note", None)  # e.g. every rank trained alone
+        if note:
+            self.note = note
+            with contextlib.suppress(Exception):
+                self._streams["err"].write(note + "\n")
+                self._streams["err"].flush()
 
 
 def _dill_loads(data: bytes) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 from workloads import fail_on
@@ -77,3 +78,18 @@ def test_a_pool_rank_that_never_joins_fails_the_start(monkeypatch):
     with pytest.raises(nbtrain.WorkerError, match="rank 1 did not join") as info:
         nbtrain.RankPool(devices=2, accelerator="cpu", start_method="fork")
     assert "_stuck_before_joining" in str(info.value)
+
+
+def late_rank(ctx):
+    if ctx.rank == 1:
+        time.sleep(3)
+    return ctx.rank
+
+
+def test_a_rank_still_running_after_the_others_returned_is_named(monkeypatch, capsys):
+    monkeypatch.setattr(supervisor, "STRAGGLER_S", 0.5)
+    run = nbtrain.launch(late_rank, devices=2, accelerator="cpu", dashboard=False)
+    assert run.results == [0, 1]  # named, not ended
+    err = capsys.readouterr().err
+    assert "[rank 1] nbtrain: rank 1 is still running" in err and "after rank 0 returned" in err
+    assert "in late_rank" in err  # its stack, from faulthandler

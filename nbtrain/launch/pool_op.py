@@ -83,6 +83,7 @@ class PoolOp(Supervisor):
                 break
             now = time.monotonic()
             self._check_joined(now)
+            self._name_stragglers(now)
             self._advance(now)
             timeout = 0.05 if (self.teardown_cause or self.failures) else 0.5
             if self.deadline is not None and self.teardown_cause is None:

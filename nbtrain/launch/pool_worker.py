@@ -91,7 +91,7 @@ def serve(spec: WorkerSpec, commands, control) -> None:
         if command["op"] == "exit":
             _exit(0)
         try:
-            reply = _handle(spec, command, namespace)
+            reply = _handle(spec, command, namespace, control.send_bytes)
         except BaseException as exc:  # an interrupt that landed between two lines of ours
             reply = encode_failure(exc, spec.rank, (__file__,))
         _State.busy = False
@@ -105,7 +105,7 @@ def serve(spec: WorkerSpec, commands, control) -> None:
             free(spec)
 
 
-def _handle(spec: WorkerSpec, command: dict, namespace: dict) -> bytes:
+def _handle(spec: WorkerSpec, command: dict, namespace: dict, report) -> bytes:
     op = command["op"]
     try:
         if op == "exec":
@@ -118,7 +118,7 @@ def _handle(spec: WorkerSpec, command: dict, namespace: dict) -> bytes:
 
                 torch.cuda.reset_peak_memory_stats()
             _State.busy = True
-            return execute(run_spec, command["payload"])
+            return execute(run_spec, command["payload"], report=report)
         if op == "pull":
             name = command["name"]
             if name not in namespace:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import signal_hint, signal_name
+from .guests import ACTIVITY, trained_alone
 from .launcher import WorkerHandle
 from .worker import AT_STORE, FAILURE, JOINED, STORE
 
@@ -30,6 +31,10 @@ DRAIN_S = 1.0  # after exits, how long to wait for the last output lines
 # and NCCL's first communicator takes seconds on 8 GPUs.
 JOIN_TIMEOUT_S = 120.0
 STACK_WAIT_S = 1.0  # after SIGUSR1, how long a late rank gets to print its stack
+# A rank still running this long after another rank returned is named in the cell with
+# its Python stack (once): a silent wait looks like a hang (a rank stuck in a collective
+# the others left, or a slow teardown).
+STRAGGLER_S = 30.0
 
 _COMM_ERROR = re.compile(r"gloo|nccl|connection (closed|reset) by peer|broken pipe|"
                          r"DistBackendError|DistNetworkError|DistStoreError|Socket Timeout",
@@ -58,6 +63,7 @@ class _Worker:
     at_store: bool = False  # it reached rank 0's store (worker.AT_STORE)
     joined: bool = False  # its process group is up (worker.JOINED)
     stack: list[str] | None = None  # stderr lines since it was asked for its stack
+    activity: dict | None = None  # what its function did (guests.ACTIVITY)
     partial: dict[str, str] = field(default_factory=lambda: {"out": "", "err": ""})
 
 
@@ -73,6 +79,8 @@ class Supervisor:
         # port, and name the ranks that have not joined by this time.
         self.join_deadline = time.monotonic() + JOIN_TIMEOUT_S if join else None
         self._stacks_asked_at: float | None = None
+        self._first_result_at: float | None = None
+        self._stragglers_named = False
         self.stop_reason: str | None = None
         self.timed_out_ranks: list[int] = []
         self.teardown_cause: str | None = None  # "failure", "stop", "timeout"
@@ -132,6 +140,7 @@ class Supervisor:
         while any(w.exitcode is None for w in self.workers.values()):
             now = time.monotonic()
             self._check_joined(now)
+            self._name_stragglers(now)
             if self.teardown_cause is None:
                 self._maybe_start_teardown(now)
             if self.teardown_cause is not None:
@@ -201,6 +210,28 @@ class Supervisor:
                      "that stack.")
         self.join_deadline = None
 
+    def _name_stragglers(self, now: float) -> None:
+        if self._stragglers_named or self._first_result_at is None or \
+                self.teardown_cause is not None or now - self._first_result_at < STRAGGLER_S:
+            return
+        self._stragglers_named = True
+        done = [r for r, w in self.workers.items() if w.result is not None]
+        for w in self.workers.values():
+            if w.result is None and w.failure is None and w.exitcode is None:
+                self._emit(w.handle.rank, "err",
+                           f"nbtrain: rank {w.handle.rank} is still running "
+                           f"{now - self._first_result_at:.0f} s after rank"
+                           f"{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} "
+                           "returned; where it is now:")
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.handle.pid, signal.SIGUSR1)
+
+    @property
+    def note(self) -> str | None:
+        """What the run should say when it ends well (each rank trained alone)."""
+        activities = {r: w.activity for r, w in self.workers.items() if w.activity is not None}
+        return trained_alone(activities, len(self.workers))
+
     def _signal_alive(self, sig: int) -> None:
         for w in self.workers.values():
             if w.exitcode is None:
@@ -240,6 +271,9 @@ class Supervisor:
         if tag == AT_STORE:
             w.at_store = True
             return
+        if tag == ACTIVITY:
+            w.activity = json.loads(data[1:])
+            return
         if tag == JOINED:
             w.joined = True
             return
@@ -250,6 +284,8 @@ class Supervisor:
                                 time.monotonic(), secondary=bool(_COMM_ERROR.search(text)))
         else:
             w.result = data
+            if self._first_result_at is None:
+                self._first_result_at = time.monotonic()
 
     def _reap(self, w: _Worker) -> bool:
         """Reap a worker that exited and read what it sent last; False if already done."""

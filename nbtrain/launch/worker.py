@@ -121,7 +121,8 @@ def _become_worker(spec: WorkerSpec, out_w, err_w) -> None:
 
 def _run(spec: WorkerSpec, payload: Any, control, commands) -> None:
     os.environ.update(spec.environ())
-    message = execute(spec, payload, setup=lambda: init_distributed(spec, control, commands))
+    message = execute(spec, payload, setup=lambda: init_distributed(spec, control, commands),
+                      report=control.send_bytes)
     control.send_bytes(message)
     # No destroy_process_group(): see _exit. Every object stays alive until the process
     # is gone, including the model (and its DDP reducer) that the context holds.
@@ -162,12 +163,14 @@ def init_distributed(spec: WorkerSpec, control, commands) -> None:
     control.send_bytes(JOINED)
 
 
-def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None) -> bytes:
+def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=None) -> bytes:
     """Run the user's function once with a fresh ``Context``; return the control message
     (result or failure). Telemetry is flushed before it returns, so the kernel has every
     event before it reads the result. ``setup`` runs after telemetry connects (the
     process group's start, in a one-shot worker). ``telemetry``: where events go instead
-    of a client to ``spec.telemetry_address`` (a torchrun rank's own; closed here too)."""
+    of a client to ``spec.telemetry_address`` (a torchrun rank's own; closed here too).
+    ``report`` gets the function's activity message (``guests.ACTIVITY``) before the
+    result is returned, when the function returned."""
     from ..context import Context
     from ..seeding import rank_seed, seed_all
     from ..telemetry.channel import TelemetryClient
@@ -185,8 +188,13 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None) -> bytes
             telemetry.send(Lifecycle(rank=spec.rank, step=0, t=time.monotonic(),
                                      state="started"))
         seed_all(rank_seed(spec.seed, spec.rank))  # the same rule after fork and spawn
-        result = fn(ctx, *args, **kwargs)
+        from .guests import activity_message, hosted
+
+        with hosted(fn, ctx, observe_steps=isinstance(fn, CallWithoutCtx)) as activity:
+            result = fn(ctx, *args, **kwargs)
         ctx._close()
+        if report is not None:
+            report(activity_message(activity))
         message = encode_result(result, spec.rank)
         if telemetry:
             telemetry.send(Lifecycle(rank=spec.rank, step=ctx.step, t=time.monotonic(),

@@ -78,7 +78,11 @@ def memory_by_category(model: nn.Module | None,
 
     seen: set = set()
     on_gpu = device is not None and device.type != "cpu"
-    params = list(model.parameters()) if model is not None else []
+    if model is not None:
+        params = list(model.parameters())
+    else:  # a loop nbtrain did not set up: the parameters its optimizers train
+        params = [p for opt in optimizers for group in local_optimizer(opt).param_groups
+                  for p in group["params"]]
     state: list[torch.Tensor] = []
     for opt in optimizers:
         for per_param in local_optimizer(opt).state.values():

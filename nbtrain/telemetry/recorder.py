@@ -62,6 +62,23 @@ class Recorder:
             model.register_forward_pre_hook(self._before_forward)
             model.register_forward_hook(self._after_forward)
 
+    # -- a loop that never touches ctx (launch/guests.py) -------------------------------
+    def adopt_start(self) -> None:
+        """The function started: without ctx.setup, step 0 starts here."""
+        self._watched_at = time.monotonic()
+
+    def adopt(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        """Any optimizer's step (torch's global hook): the first optimizer seen marks the
+        steps; every one seen counts in memory."""
+        if not any(o is optimizer for o in self._optimizers):
+            self._optimizers.append(optimizer)
+        if optimizer is self._optimizers[0]:
+            self._after_optimizer_step(optimizer, args, kwargs)
+
+    @property
+    def steps_taken(self) -> int:
+        return self._opt_steps
+
     def _sampling_next(self) -> bool:
         every = self.options.memory_every
         return bool(every) and self._opt_steps % every == 0
