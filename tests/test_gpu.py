@@ -287,3 +287,23 @@ def test_sync_batchnorm_normalises_with_the_whole_batch():
     for name, value in ref["full"].items():
         torch.testing.assert_close(run.result["full"][name], value, rtol=1e-3, atol=1e-4,
                                    msg=name)
+
+
+@pytest.mark.parametrize("library", ["transformers", "accelerate", "lightning"])
+def test_code_written_for_torchrun_runs_on_nccl_after_importing_a_framework(library):
+    """In a fresh kernel: importing the framework must not initialise CUDA (that would
+    force spawn, or make notebook_launcher refuse), and a tutorial-style NCCL function
+    runs unchanged."""
+    pytest.importorskip(library)
+    n = _ranks()
+    kernel = Kernel(startup=f"import {library}, torch, nbtrain\nfrom workloads import "
+                            "torchrun_style_cuda")
+    try:
+        reply = kernel.run(f"run = nbtrain.launch(torchrun_style_cuda, devices={n}, "
+                           "accelerator='cuda')\nprint(run.start_method, run.results, "
+                           "torch.cuda.is_initialized())", timeout=300)
+        assert reply.error is None, reply.error
+        expected = [(r, n, f"cuda:{r}") for r in range(n)]
+        assert f"fork {expected} False" in reply.stdout, reply.stdout
+    finally:
+        kernel.shutdown()

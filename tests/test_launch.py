@@ -335,3 +335,23 @@ def test_an_argument_that_fits_nowhere_fails_before_anything_starts():
 def test_sync_batchnorm_on_cpu_says_what_it_needs():
     with pytest.raises(ValueError, match="sync_batchnorm=True needs GPUs"):
         nbtrain.launch(takes_lr, devices=2, accelerator="cpu", sync_batchnorm=True)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_function_written_for_torchrun_runs_as_it_is(start_method):
+    from workloads import torchrun_style
+
+    run = nbtrain.launch(torchrun_style, 2.0, devices=2, start_method=start_method,
+                         dashboard=False)
+    assert run.results == [(0, 2, 0), (1, 2, 1)]
+    assert run.note is None  # the ranks trained together
+    assert [len(run.history.events("step", r)) for r in (0, 1)] == [8, 8]
+
+
+def test_a_function_written_for_torchrun_runs_on_a_pool_twice():
+    from workloads import torchrun_style
+
+    with nbtrain.RankPool(devices=2, accelerator="cpu") as pool:
+        for _ in range(2):  # its destroy_process_group left the pool's group alone
+            assert pool.launch(torchrun_style, dashboard=False).results == [(0, 2, 0),
+                                                                            (1, 2, 1)]

@@ -107,6 +107,7 @@ def test_two_torchrun_nodes_train_what_launch_trains(strategy, tmp_path):
     # a checkpoint written by torchrun's ranks, resumed by torchrun's ranks, ends where
     # 8 uninterrupted steps under launch() end
     assert [r["first"] for r in got["resumed"]] == [4, 4]
+    assert got["own"] == [(0, 2, 0), (1, 2, 0)]  # one process per node: local rank 0
     whole = nbtrain.launch(ckpt_train, devices=2, accelerator="cpu", strategy=strategy,
                            telemetry=False, dashboard=False)
     for name, value in whole.result["full"].items():

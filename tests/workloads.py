@@ -456,3 +456,46 @@ def cpu_and_gpu_collectives(ctx, directory):
     ctx.save(directory, {"model": model, "optimizer": opt})
     return {"cpu": on_cpu.item(), "gpu": on_gpu.item(), "objects": objects,
             "device": str(ctx.device)}
+
+
+def torchrun_style(scale=1.0):
+    """Written for torchrun: no ctx, its own process group from the env:// defaults, DDP,
+    a DistributedSampler, and destroy_process_group at the end."""
+    from torch.distributed import destroy_process_group, init_process_group
+
+    init_process_group(backend="gloo")
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(D, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = dataset()
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=16, sampler=torch.utils.data.DistributedSampler(data, shuffle=False))
+    for x, y in loader:
+        loss = nn.functional.cross_entropy(model(x) * scale, y % 2)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    out = (dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]))
+    destroy_process_group()
+    return out
+
+
+def torchrun_style_cuda():
+    """The PyTorch DDP tutorial's shape on GPUs: NCCL, LOCAL_RANK's device."""
+    from torch.distributed import destroy_process_group, init_process_group
+
+    init_process_group(backend="nccl")
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(D, 2).cuda(), device_ids=[local])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, D, device="cuda")
+    for _ in range(3):
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    out = (dist.get_rank(), dist.get_world_size(), str(next(model.parameters()).device))
+    destroy_process_group()
+    return out
