@@ -66,9 +66,11 @@ def k(kernel):
     return kernel
 
 
-def run_ok(k, code: str, timeout: float = 240) -> str:
+def run_ok(k, code: str, timeout: float = 240, stderr: list | None = None) -> str:
     reply = k.run(code, timeout=timeout)
     assert reply.error is None, (reply.error["ename"], reply.error["evalue"], reply.stderr[-3000:])
+    if stderr is not None:
+        stderr.append(reply.stderr)
     return reply.stdout
 
 
@@ -156,6 +158,7 @@ def test_an_accelerate_loop_runs_unchanged_also_after_a_try_in_the_kernel(k, ker
 
 
 def test_a_lightning_trainer_runs_unchanged_as_its_ddp_notebook_does(k, kernel_clean):
+    err = []
     out = run_ok(k, '''
         import lightning as L
 
@@ -188,8 +191,13 @@ def test_a_lightning_trainer_runs_unchanged_as_its_ddp_notebook_does(k, kernel_c
         print("its metric", len(run.history.metric("train_loss", 1)))
         alone = nbtrain.launch(pl_main, "auto", "auto", devices=2)
         print("alone", [r["world"] for r in alone.results], alone.note is not None)
-    ''')
+    ''', stderr=err)
     assert "world [2, 2]" in out and "same True" in out, out
     assert "shown {0: (4, 1, 4), 1: (4, 1, 4)} None" in out, out
     assert "its metric 4" in out, out  # self.log("train_loss"), through the entry point
     assert "alone [1, 1] True" in out, out  # devices="auto": each rank trained alone, said
+    # Lightning's log lines from the ranks carry their rank (its handlers were the kernel's)
+    # (ddp_notebook's own lines, from the kernel and its children, carry none)
+    lines = [line for line in err[0].splitlines() if "GPU available" in line]
+    labelled = [line for line in lines if line.startswith("[rank ")]
+    assert len(lines) - len(labelled) == 1 and len(labelled) >= 2, lines  # 1: ddp_notebook's

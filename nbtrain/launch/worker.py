@@ -112,11 +112,29 @@ def _become_worker(spec: WorkerSpec, out_w, err_w) -> None:
     os.dup2(err_w.fileno(), 2)
     out_w.close()
     err_w.close()
+    before = {id(sys.stdout): "out", id(sys.stderr): "err"}
     sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, encoding="utf-8",
                                        errors="replace", closefd=False)
     sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, encoding="utf-8",
                                        errors="replace", closefd=False)
+    _retarget_log_handlers(before)
     _bootstrap_stacks()
+
+
+def _retarget_log_handlers(before: dict[int, str]) -> None:
+    """Logging handlers made in the kernel (Lightning's, transformers') hold the
+    kernel's streams: after a fork they wrote into the cell without the rank's label.
+    Point them at this worker's."""
+    import logging
+
+    new = {"out": sys.stdout, "err": sys.stderr}
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    for logger in loggers:
+        for handler in logger.handlers:
+            which = before.get(id(getattr(handler, "stream", None)))
+            if which is not None and isinstance(handler, logging.StreamHandler):
+                handler.setStream(new[which])
 
 
 def _run(spec: WorkerSpec, payload: Any, control, commands) -> None:
