@@ -132,9 +132,15 @@ def _retarget_log_handlers(before: dict[int, str]) -> None:
                                       if isinstance(lg, logging.Logger))]
     for logger in loggers:
         for handler in logger.handlers:
+            if not isinstance(handler, logging.StreamHandler) or \
+                    isinstance(handler, logging._StderrHandler):  # that one follows sys.stderr
+                continue
             which = before.get(id(getattr(handler, "stream", None)))
-            if which is not None and isinstance(handler, logging.StreamHandler):
-                handler.setStream(new[which])
+            if which is not None:
+                try:
+                    handler.setStream(new[which])
+                except AttributeError:  # a handler whose stream is not settable
+                    pass
 
 
 def _run(spec: WorkerSpec, payload: Any, control, commands) -> None:
