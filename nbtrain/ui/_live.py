@@ -94,7 +94,11 @@ class LiveView:
         if self.wait_for_data:
             while not self._stop.is_set() and not self.state.has_data():
                 self._wake.wait(self.heartbeat)
+                wait = self._throttle.wait_time()  # the header keeps the redraw rate too
+                if wait > 0 and self._stop.wait(wait):
+                    return
                 self._wake.clear()
+                self._throttle.ready()
                 with self._draw_lock:
                     if not self.closed:
                         try:

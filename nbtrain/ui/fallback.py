@@ -52,10 +52,12 @@ class StaticView(LiveView):
     def __init__(self, run: Run | None = None, *, display: bool = True, world_size: int = 1):
         super().__init__(run, world_size=world_size)
         self._handles = None
+        self._shown_header: dict | None = None
         if display:
             from IPython.display import display as show
 
-            self._handles = (show(self.header(), raw=True, display_id=True),
+            self._shown_header = self.header()
+            self._handles = (show(self._shown_header, raw=True, display_id=True),
                              show({"text/plain": ""}, raw=True, display_id=True))
         else:
             self.start()
@@ -72,8 +74,10 @@ class StaticView(LiveView):
         return header, figure_bundle(build_figure(self.state), text, html=final)
 
     def draw_header(self) -> None:
-        if self._handles is not None:
-            self._handles[0].update(self.header(), raw=True)
+        header = self.header()
+        if self._handles is not None and header != self._shown_header:
+            self._handles[0].update(header, raw=True)
+            self._shown_header = header
 
     def draw(self, final: bool) -> None:
         header, fig = self.bundles(final)
