@@ -29,3 +29,66 @@ def shown_here(obj) -> bool:
     must not show a second time (``nbtrain.compare(a, b)``, a picker, a launch)."""
     cell = current()
     return cell is not None and getattr(obj, "_nbtrain_shown_in", None) == cell
+
+
+class busy_while_blocking:
+    """While a cell blocks in nbtrain (a launch, ``run.wait()``, a pool command), the
+    kernel's status stays "busy".
+
+    JupyterLab shows the kernel's last status message, whichever request it answers. A
+    widget frontend asks the kernel for a subshell (control channel) and sends widget
+    messages to it; ipykernel answers each with busy, then idle, and the status bar read
+    "Idle" while the cell still ran (from about when the live chart appeared). Inside
+    this block, every "idle" for another request is followed by a "busy" for the
+    running cell's. Outside an ipykernel, or reentered, it does nothing.
+    """
+
+    _active = False
+
+    def __enter__(self):
+        import threading
+
+        self._restore = None
+        if busy_while_blocking._active or threading.current_thread() is not threading.main_thread():
+            return self  # a background wait (the picker's) is not the cell
+        kernel = _kernel()
+        cell = kernel.get_parent("shell") if kernel is not None else None
+        if not cell or not hasattr(kernel, "_publish_status"):
+            return self
+        publish = kernel._publish_status
+        cell_id = cell.get("header", {}).get("msg_id")
+
+        def publish_keeping_busy(status, channel, parent=None):
+            publish(status, channel, parent)
+            if status != "idle":
+                return
+            answered = parent or kernel.get_parent(channel) or {}
+            if answered.get("header", {}).get("msg_id") != cell_id:
+                publish("busy", "shell", cell)
+
+        kernel._publish_status = publish_keeping_busy
+        busy_while_blocking._active = True
+
+        def restore():
+            kernel._publish_status = publish
+            busy_while_blocking._active = False
+
+        self._restore = restore
+        return self
+
+    def __exit__(self, *exc):
+        if self._restore is not None:
+            self._restore()
+
+
+def _kernel():
+    import sys
+
+    if "ipykernel" not in sys.modules:
+        return None
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    return getattr(shell, "kernel", None)

@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from .cells import busy_while_blocking
 from .errors import RunStoppedError, RunTimeoutError, WorkerError, cell_names
 from .telemetry.events import Event, Lifecycle, Output
 from .telemetry.history import History
@@ -148,10 +149,11 @@ class Run:
         """Block until the run ends; return ``results`` (None if stopped) or raise its error."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            while not self._done.wait(0.1):
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"the run is still going after {timeout:g}s "
-                                       f"(status: {self._status}); run.stop() ends it.")
+            with busy_while_blocking():
+                while not self._done.wait(0.1):
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise TimeoutError(f"the run is still going after {timeout:g}s "
+                                           f"(status: {self._status}); run.stop() ends it.")
         except KeyboardInterrupt:  # raised afresh: no frames of threading.py
             raise KeyboardInterrupt("run.wait() was interrupted; the run goes on "
                                     "(run.stop() ends it).") from None

@@ -244,3 +244,25 @@ def test_many_four_rank_starts_in_a_kernel_never_hang(k, kernel_clean):
                                 say=said.append)
     assert sum(c["starts"] for c in counts.values()) == 30
     assert not any(c["hung"] or c["failed"] for c in counts.values()), "\n".join(said)
+
+
+def test_the_kernel_stays_busy_while_a_launch_blocks(k, kernel_clean):
+    """A widget frontend's control and subshell requests are answered busy-then-idle
+    while the cell runs; the status must go back to busy for the running cell."""
+    msg_id = k.submit("run = nbtrain.launch(stepping, devices=2, timeout=4, dashboard=False)")
+    time.sleep(1.5)  # the launch blocks now
+    request = k.kc.session.msg("kernel_info_request")
+    k.kc.control_channel.send(request)
+    statuses, deadline = [], time.monotonic() + 60
+    while time.monotonic() < deadline:
+        msg = k.kc.get_iopub_msg(timeout=30)
+        if msg["msg_type"] == "status":
+            parent = msg["parent_header"].get("msg_id")
+            statuses.append(("cell" if parent == msg_id else "control"
+                             if parent == request["header"]["msg_id"] else "other",
+                             msg["content"]["execution_state"]))
+            if statuses[-1] == ("cell", "idle"):
+                break
+    control_idle = statuses.index(("control", "idle"))
+    assert statuses[control_idle + 1] == ("cell", "busy"), statuses
+    assert statuses[-1] == ("cell", "idle"), statuses

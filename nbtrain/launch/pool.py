@@ -271,9 +271,12 @@ class RankPool:
 
     def _wait(self, op: PoolOp) -> None:
         """Wait in the cell; an interrupt interrupts the ranks (and, if stuck, the pool)."""
+        from ..cells import busy_while_blocking
+
         try:
-            while not op.done.wait(0.05):
-                pass
+            with busy_while_blocking():
+                while not op.done.wait(0.05):
+                    pass
         except KeyboardInterrupt:
             op.request_stop("interrupted")
             while True:  # a second interrupt does not cut the teardown short
