@@ -92,3 +92,4 @@ def _kernel():
         return None
     shell = get_ipython()
     return getattr(shell, "kernel", None)
+

@@ -62,6 +62,11 @@ def test_zero1_trains_what_one_process_trains_with_the_optimizer_state_sharded()
         assert mem["params"] == 4 * n and mem["grads"] == 4 * n  # whole on every rank
         assert 0 < mem["optimizer"] < 8 * n
     assert sum(m["optimizer"] for m in mems) == 8 * n  # Adam's two moments, partitioned
+    # the comparison shows the ranks' range and says why they differ
+    comparison = nbtrain.compare(run, display=False)
+    if mems[0]["optimizer"] != mems[1]["optimizer"]:
+        assert "–" in comparison.table()
+        assert "ZeroRedundancyOptimizer gives each rank" in str(comparison)
 
 
 def test_zero1_keeps_the_optimizer_class_and_param_groups():

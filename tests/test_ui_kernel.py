@@ -59,6 +59,7 @@ def test_auto_is_static_without_a_widget_manager(setup, kernel_clean):
 
 
 def test_forced_widget_stays_within_the_message_budget(setup, kernel_clean):
+    before = setup.value("len(__import__('ipywidgets').widgets.widget._instances)")
     msgs, seconds = messages(
         setup, "run = nbtrain.launch(log_many, devices=2, steps=3000, dashboard='widget')")
     assert not _errors(msgs), _errors(msgs)
@@ -70,14 +71,19 @@ def test_forced_widget_stays_within_the_message_budget(setup, kernel_clean):
           f"{len(opens)} comm_open")
     assert rate <= COMM_BUDGET_PER_S, (len(comm), seconds)
     kinds = [m["msg_type"] for m in msgs]
-    header = kinds.index("display_data")
-    assert "rank 0" in msgs[header]["content"]["data"]["text/html"]
-    assert header < kinds.index("comm_open")  # the header first, the widget after
+    shown = kinds.index("display_data")
+    assert "application/vnd.jupyter.widget-view+json" in msgs[shown]["content"]["data"]
+    # the header is the first widget, with the run's ranks, shown before the figure's
+    header = [m for m in opens if "rank 0" in str(m["content"]["data"]["state"].get("value"))]
+    figure = [i for i, m in enumerate(msgs) if m["msg_type"] == "comm_open"
+              and "_widget_data" in m["content"]["data"]["state"]]
+    assert header and figure and shown < figure[0]
     last = [m["content"]["data"] for m in msgs if m["msg_type"] == "update_display_data"]
     assert PLOTLY_MIME in last[-1]  # a static figure in its place at the end
-    assert "comm_close" in kinds  # and the widget is gone
     points = setup.value("run.history.__len__() > 1000")
     assert points
+    time.sleep(3)  # and the widgets are gone, a moment after their views
+    assert setup.value("len(__import__('ipywidgets').widgets.widget._instances)") == before
 
 
 def test_failure_shows_in_the_view_then_raises(setup, kernel_clean):

@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING
 
 from ..cells import mark_shown, shown_here
 from ..telemetry.summary import Summary
-from .figures import HOST_CATEGORIES, category_label, category_marker, unit_for
+from .figures import (
+    HOST_CATEGORIES,
+    category_label,
+    category_marker,
+    collective_color,
+    unit_for,
+)
 from .theory import CATEGORIES, FOOTNOTE, known, n_params_from_memory, theoretical_bytes
 
 if TYPE_CHECKING:
@@ -48,6 +54,24 @@ class Row:
     def model_bytes(self) -> int:
         """The most model state (params + grads + optimizer) any rank held."""
         return max((sum(m.get(c, 0) for c in CATEGORIES) for m in self.memory), default=0)
+
+    @property
+    def least_bytes(self) -> int:
+        """The least model state any rank held."""
+        return min((sum(m.get(c, 0) for c in CATEGORIES) for m in self.memory), default=0)
+
+    @property
+    def uneven(self) -> bool:
+        """Ranks held model state more than ``MEMORY_TIE`` apart."""
+        return bool(self.least_bytes) and self.model_bytes > self.least_bytes * (1 + MEMORY_TIE)
+
+    def per_rank(self) -> str:
+        """Model state per rank: one figure, or the range when the ranks differ."""
+        if not self.model_bytes:
+            return "-"
+        if self.uneven:
+            return f"{_fmt_bytes(self.least_bytes)}–{_fmt_bytes(self.model_bytes)}"
+        return _fmt_bytes(self.model_bytes)
 
     @property
     def host_bytes(self) -> int:
@@ -173,7 +197,7 @@ class Comparison:
         lines = [header]
         for r in self.rows:
             theory = sum(r.theory.values()) if r.theory else None
-            lines.append([r.label, str(r.world_size), _fmt_bytes(r.model_bytes) if r.model_bytes else "-",
+            lines.append([r.label, str(r.world_size), r.per_rank(),
                           *([_fmt_bytes(r.host_bytes) if r.host_bytes else "-"] if host else []),
                           _fmt_bytes(theory) if theory is not None else "-",
                           f"{r.step_time * 1000:.1f}" if r.step_time else "-",
@@ -184,9 +208,26 @@ class Comparison:
         out.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(out)
 
+    def notes(self) -> list[str]:
+        """Why ranks of one run held different amounts (the table shows the range; the
+        takeaway compares each run's largest rank)."""
+        out = []
+        for r in self.rows:
+            if not r.uneven:
+                continue
+            why = (" ZeroRedundancyOptimizer gives each rank the optimizer state of whole "
+                   "parameters, so the shares are as even as the parameters' sizes allow; "
+                   "theory assumes an exact 1/N." if r.strategy == "zero1" else "")
+            out.append(f"{r.label}: ranks held {_fmt_bytes(r.least_bytes)} to "
+                       f"{_fmt_bytes(r.model_bytes)} of model state (the largest is "
+                       f"compared).{why}")
+        return out
+
     def __str__(self) -> str:
         psi = f"Ψ = {self.n_params:,} parameters" if self.n_params else "Ψ unknown"
-        return f"{self.table()}\n{self.takeaway()}\n({psi}; fp32 master weights, {self.optimizer})"
+        notes = "".join(f"\n{n}" for n in self.notes())
+        return (f"{self.table()}\n{self.takeaway()}{notes}\n({psi}; fp32 master weights, "
+                f"{self.optimizer})")
 
     def __repr__(self) -> str:
         return str(self)
@@ -195,7 +236,10 @@ class Comparison:
         psi = f"Ψ = {self.n_params:,} parameters" if self.n_params else "Ψ unknown"
         return (f'<div style="font-family:sans-serif;font-size:13px"><b>'
                 f'{html.escape(self.takeaway())}</b><pre style="font-size:12px">'
-                f'{html.escape(self.table())}</pre><small>{html.escape(psi)}. '
+                f'{html.escape(self.table())}</pre>'
+                + "".join(f'<div style="font-size:12px">{html.escape(n)}</div>'
+                          for n in self.notes())
+                + f'<small>{html.escape(psi)}. '
                 f'{html.escape(FOOTNOTE)}</small></div>')
 
     def figure(self, height: int = 620):
@@ -243,7 +287,8 @@ class Comparison:
                       row=2, col=2)
         for op in sorted({op for r in self.rows for op in r.comm}):
             fig.add_trace(go.Bar(x=labels, y=[r.comm.get(op, 0) / 2**20 for r in self.rows],
-                                 name=op, legendgroup="comm"), row=2, col=3)
+                                 name=op, legendgroup="comm",
+                                 marker_color=collective_color(op)), row=2, col=3)
         fig.update_yaxes(title_text=unit, row=1, col=1)
         fig.update_yaxes(title_text="ms", row=2, col=1)
         fig.update_yaxes(title_text="samples/s", row=2, col=2)

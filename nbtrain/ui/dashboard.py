@@ -1,16 +1,19 @@
 """The live dashboard: a header, one plotly ``FigureWidget`` and an error panel; once the
 run ends, a static figure that needs no kernel.
 
-Shown by ``launch()`` it is two outputs in the cell, each behind a display handle: the
-header (HTML, errors in red below it) and the figure. The header shows at once, before
-any worker starts: it needs nothing heavy. The figure widget is built on the view's own
-thread (``prepare``), which ``launch()`` starts once the workers are started; its first
+Shown by ``launch()`` it is two outputs in the cell, each behind a display handle: one
+widget box (the header, the figure once built, errors in red) and an empty one. The
+header shows at once, before any worker starts: it needs nothing heavy. The figure
+widget is built on the view's own thread once a rank has logged (``prepare``); its first
 build in a kernel takes ~1.5 s (plotly's 5 MB JavaScript is read and shipped once), and
-the workers never wait for it. When the run ends, the header gets its final text and the
-widget's output is replaced by a static plotly figure (plotly's mimetype, an HTML
-fallback and text), and the widget is closed: a page reload, a saved notebook, nbviewer
-or a kernel-less viewer then show the final charts, which a widget cannot (its state
-lives in the kernel and the browser's widget manager, not in the notebook).
+the workers never wait for it. Everything live is widget state, so a page reload
+re-creates the view with the current header and figure, and it goes on updating. When
+the run ends, the two outputs become the static header and a static plotly figure
+(plotly's mimetype, an HTML fallback and text), and the widgets are closed: a saved
+notebook, nbviewer or a kernel-less viewer then show the final charts, which a widget
+cannot. After a reload those display updates reach nothing (the page lost the outputs'
+display ids), so a re-created view keeps its widgets with the final state and says how
+to keep the charts in the notebook.
 
 Cheap by construction: one figure per dashboard; at most ``1 / interval`` redraws a
 second, each one batched update that restyles only the traces whose data changed, each
@@ -25,7 +28,9 @@ as widgets in one box) for whoever places it (the picker) and for tests.
 
 from __future__ import annotations
 
+import copy
 import html
+import threading
 from typing import TYPE_CHECKING
 
 from ._live import LiveView
@@ -46,6 +51,13 @@ if TYPE_CHECKING:
 
 PLACEHOLDER = ('<div style="font-family:sans-serif;font-size:12px;color:#757575">'
                "drawing the charts…</div>")
+# Said under the final header of a view the browser re-created during the run (a
+# reload): the page no longer holds the outputs the static figure would replace.
+RECREATED_NOTE = ('<div style="font-family:sans-serif;font-size:12px;color:#757575">'
+                  "This view was re-created after the page reloaded: the saved notebook "
+                  "keeps it as a live widget. To keep these charts in it, show the run in a "
+                  "cell (<code>run</code>, or <code>nbtrain.last_run()</code>).</div>")
+CLOSE_AFTER_S = 2.0  # after the static forms replaced the widget
 
 
 def require_widgets():
@@ -77,61 +89,76 @@ class Dashboard(LiveView):
         self.header = self.errors = self.widget = None  # the widget form (display=False)
         self.build_error: BaseException | None = None
         self._handles = None  # (header, figure) display handles when shown in a cell
-        self._shown_header: str | None = None
         self._index: dict[str, int] = {}
         self._versions: dict[str, object] = {}
         self._layout: dict[str, object] = {}
         self.comm_messages = 0
+        self._control = None  # the widget frontend's control comm when shown (see recreated)
+        self._made: list = []  # every widget made here, closed with the view
         if display:
             from IPython.display import display as show
 
-            with self.state.lock:
-                header = self._header_bundle()
-            self._shown_header = header["text/html"]
-            self._handles = (show(header, raw=True, display_id=True),
-                             show({"text/html": PLACEHOLDER, "text/plain": ""}, raw=True,
-                                  display_id=True))
+            # One widget holds the header, the figure once built, and errors: a view the
+            # browser re-creates (a reload) draws their current state and goes on
+            # updating. The second output is empty until the run ends: then both take
+            # the static header and figure, which a saved notebook keeps.
+            self._box(placeholder=True)
+            self._control = getattr(require_widgets().Widget, "_control_comm", None)
+            self._handles = (show(self.widget, display_id=True),
+                             show({"text/plain": ""}, raw=True, display_id=True))
         else:
             self._build(boxed=True)
             self.draw(final=False)
             self.start()
 
+    @property
+    def recreated(self) -> bool:
+        """A widget frontend connected since the view was shown (a page reload opens a
+        new control comm and re-creates every view from the kernel's state)."""
+        if self._handles is None:
+            return False
+        return getattr(require_widgets().Widget, "_control_comm", None) is not self._control
+
     # -- building ----------------------------------------------------------------------
+    def _box(self, placeholder: bool = False) -> None:
+        """The widget form: header, (placeholder or) figure, errors, in one box."""
+        widgets = require_widgets()
+        with self.state.lock:
+            self.header = widgets.HTML(self._header_bundle()["text/html"])
+        self.errors = widgets.HTML()
+        middle = [widgets.HTML(PLACEHOLDER)] if placeholder else []
+        self.widget = widgets.VBox([self.header, *middle, self.errors],
+                                   layout=widgets.Layout(width="100%"))
+        self.widget.add_class("nbtrain-dashboard")
+        self._made += [self.widget, self.header, self.errors, *middle]
+
     def _build(self, boxed: bool) -> None:
         widgets = require_widgets()
         import plotly.graph_objects as go
 
         self.figure = go.FigureWidget(empty_figure(self.height))
         if boxed:
-            self.header = widgets.HTML()
-            self.errors = widgets.HTML()
-            self.widget = widgets.VBox([self.header, self.figure, self.errors],
-                                       layout=widgets.Layout(width="100%"))
-            self.widget.add_class("nbtrain-dashboard")
+            self._box()
+            self.widget.children = [self.header, self.figure, self.errors]
         self._count_messages()
+        del widgets
 
     def prepare(self) -> None:
-        """On the drawer thread: build the figure widget and show it in the cell."""
+        """On the drawer thread: build the figure widget and put it in the box."""
         if self._handles is None or self.figure is not None:
             return
         try:
             self._build(boxed=False)
             self.draw(final=False)
-            self._handles[1].update(self._widget_bundle(), raw=True)
+            self.widget.children = [self.header, self.figure, self.errors]
         except Exception as err:  # header only until the end, then the static figure
             self.build_error = err
             why = html.escape(f"{type(err).__name__}: {err}")
-            self._handles[1].update({
-                "text/html": PLACEHOLDER.replace(
-                    "drawing the charts…", f"the live charts could not be shown ({why}); "
-                    "they will show when the run ends."),
-                "text/plain": ""}, raw=True)
-
-    def _widget_bundle(self) -> dict:
-        bundle = dict(self.figure._repr_mimebundle_())  # also syncs the widget's state
-        bundle["text/plain"] = "nbtrain live figure (a widget; replaced by a static " \
-                               "figure when the run ends)"
-        return bundle
+            note = require_widgets().HTML(PLACEHOLDER.replace(
+                "drawing the charts…", f"the live charts could not be shown ({why}); "
+                "they will show when the run ends."))
+            self._made.append(note)
+            self.widget.children = [self.header, note, self.errors]
 
     def _header_bundle(self) -> dict:
         """Call with ``state.lock`` held."""
@@ -156,13 +183,9 @@ class Dashboard(LiveView):
     # -- drawing -----------------------------------------------------------------------
     def draw_header(self) -> None:
         with self.state.lock:
-            shown = self._header_bundle() if self._handles is not None else None
             header = header_html(self.state)
         if self.header is not None and header != self.header.value:
             self.header.value = header
-        if shown is not None and shown["text/html"] != self._shown_header:
-            self._handles[0].update(shown, raw=True)
-            self._shown_header = shown["text/html"]
 
     def draw(self, final: bool) -> None:
         state = self.state
@@ -171,24 +194,37 @@ class Dashboard(LiveView):
             layout = layout_updates(state, self.height) if self.figure is not None else {}
             header = header_html(state)
             errors = error_html(state)
-            shown = self._header_bundle() if self._handles is not None else None
-        if self.figure is not None and self.build_error is None and not (
-                final and self._handles is not None):  # the static figure replaces it
+            shown = self._header_bundle()
+        if self.figure is not None and self.build_error is None:
             self._draw_figure(specs, layout)
+        if final and self.recreated:
+            header += RECREATED_NOTE
         if self.header is not None and header != self.header.value:
             self.header.value = header
         if self.errors is not None and errors != self.errors.value:
             self.errors.value = errors
-        if self._handles is None:
-            return
-        if shown["text/html"] != self._shown_header:
+        if final and self._handles is not None:
+            # The static forms take the outputs' places (in a page that was reloaded
+            # these updates reach nothing, and the live widget keeps the final state).
             self._handles[0].update(shown, raw=True)
-            self._shown_header = shown["text/html"]
-        if final:
             self._handles[1].update(  # a static figure's height follows its rows
                 figure_bundle(build_figure(state), shown["text/plain"]), raw=True)
-            if self.figure is not None:
-                self.figure.close()  # the static figure took its place
+            if not self.recreated:  # its views are gone: end its comms, a little later,
+                # so no message of a view being removed reaches a closed comm
+                timer = threading.Timer(CLOSE_AFTER_S, self._close_widgets)
+                timer.daemon = True
+                timer.start()
+
+    def _close_widgets(self) -> None:
+        """Close every widget this view made, with their layouts and styles (each is a
+        widget of its own, with its own comm)."""
+        for w in [*self._made, self.figure]:
+            for part in (w, getattr(w, "layout", None), getattr(w, "style", None)):
+                if part is not None:
+                    try:
+                        part.close()
+                    except Exception:
+                        pass
 
     def _draw_figure(self, specs, layout) -> None:
         fig = self.figure
@@ -210,6 +246,13 @@ class Dashboard(LiveView):
                     for name, value in s.data.items():
                         setattr(trace, name, value)
                     self._versions[s.key] = s.version
+        if new or changed or layout:
+            # plotly keeps the state a browser builds a view from as it was when first
+            # shown, and sends later changes as deltas: a view re-created by a reload
+            # drew empty axes. Bring that state up to date, without a message (live
+            # views have the deltas).
+            fig._trait_values["_widget_data"] = copy.deepcopy(fig._data)
+            fig._trait_values["_widget_layout"] = copy.deepcopy(fig._layout_obj._props)
 
     def points(self) -> int:
         """How many points the figure holds now, all traces together."""

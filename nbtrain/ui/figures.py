@@ -113,8 +113,31 @@ def rank_color(rank: int) -> str:
     return RANK_COLORS[rank % len(RANK_COLORS)]
 
 
-def collective_color(index: int) -> str:
-    return COLLECTIVE_COLORS[index % len(COLLECTIVE_COLORS)]
+# One colour, dash and marker per collective, by name, in the live view and in compare():
+# two collectives that move the same bytes per step (zero1's all_reduce and broadcast,
+# fsdp_grad_op's all_gather and reduce_scatter) draw one line on the other, and the
+# dashes and markers keep both visible.
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
+               "reduce", "gather", "scatter", "send", "recv", "barrier")
+COLLECTIVE_SYMBOLS = ("circle", "diamond", "square", "x", "triangle-up", "star")
+
+
+def _collective_index(op: str) -> int:
+    if op in COLLECTIVES:
+        return COLLECTIVES.index(op)
+    return len(COLLECTIVES) + sum(map(ord, op))  # others: stable, not by arrival
+
+
+def collective_color(op: str) -> str:
+    return COLLECTIVE_COLORS[_collective_index(op) % len(COLLECTIVE_COLORS)]
+
+
+def collective_style(op: str) -> dict:
+    """A collective's line: its colour, dash and marker."""
+    i = _collective_index(op)
+    return {"line": {"color": collective_color(op), "dash": DASHES[i % len(DASHES)]},
+            "marker": {"symbol": COLLECTIVE_SYMBOLS[i % len(COLLECTIVE_SYMBOLS)], "size": 7},
+            "mode": "lines+markers"}
 
 
 def _legend_entry(key: str, panel: str, name: str, rank: int, group: str, marker: dict,
@@ -186,7 +209,7 @@ def trace_specs(state: LiveState) -> list[TraceSpec]:
         specs.append(TraceSpec(
             f"comm:{op}", "comm", "line",
             {"name": op, "legendgroup": f"comm {op}", "legendrank": LEGEND_RANKS["comm"] + i,
-             "line": {"color": collective_color(i)}},
+             **collective_style(op)},
             {"x": x, "y": [v / size for v in y],
              "hovertemplate": f"{op}: %{{y:.3g}} {unit} at step %{{x}}<extra></extra>"},
             (state.comm[op].version, unit)))

@@ -2,7 +2,7 @@
 
 Status per rank as coloured badges (a failed rank is red, with its error below),
 progress (steps, epoch when logged as a metric, elapsed, ETA when the step count is
-known), and what the run used: strategy, devices, start method.
+known: the run's total steps), and what the run used: strategy, devices, start method.
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ def progress_parts(state: LiveState, total_steps: int | None = None) -> list[str
     elif logged_epoch is not None:
         parts.append(f"epoch {logged_epoch:g}")
     parts.append(f"elapsed {_duration(state.elapsed)}")
-    left = (total_steps - steps if total_steps
-            else epoch_steps * (epoch + 1) - state.last_step - 1 if epoch_steps else 0)
+    # An ETA only for the run's total (ctx.total_steps, or what the dataloader plans):
+    # the end of an epoch said little, and a short epoch read "ETA 0s" all along.
+    left = total_steps - steps if total_steps else 0
     busy = state.busy.get(0, 0.0)
     timed = max(state.steps.get(0, 0) - 1, 0)  # the first (warm-up) step is not timed
     if left > 0 and timed and state.outcome is None:
-        what = "" if total_steps else " (epoch)"
-        parts.append(f"ETA{what} {_duration(left * busy / timed)}")
+        parts.append(f"ETA {_duration(left * busy / timed)}")
     rate = sum(r for k in state.ranks if (r := state.samples_per_s(k)))
     if rate:
         parts.append(f"{rate:,.0f} samples/s")

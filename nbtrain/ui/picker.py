@@ -26,6 +26,17 @@ if TYPE_CHECKING:
     from ..run import Run
 
 PRECISIONS = [("fp32", "fp32"), ("bf16 mixed", "bf16"), ("fp16 mixed", "fp16")]
+# A saved notebook keeps the picker as a widget, which has no model once the kernel is
+# gone ("model not found"). Its outputs after the widget are a static twin (what ran and
+# the comparison, updated after each run); while the picker renders, this style hides
+# the twin, and where the widget cannot render, it hides the widget's error instead.
+TWIN_STYLE = """<style>
+.jp-OutputArea:has(.nbtrain-picker) > .jp-OutputArea-child:has(.nbtrain-twin),
+.jp-OutputArea:has(.nbtrain-picker) > .jp-OutputArea-child:has(.nbtrain-twin)
+  + .jp-OutputArea-child { display: none; }
+.jp-OutputArea:not(:has(.nbtrain-picker)):has(.nbtrain-twin)
+  > .jp-OutputArea-child:has(> .jupyter-widgets) { display: none; }
+</style>"""
 
 
 class StrategyPicker:
@@ -71,23 +82,27 @@ class StrategyPicker:
         self.unavailable = widgets.HTML(self._not_offered_html())
         self.message = widgets.HTML()
         self.live = widgets.VBox([])
+        self.comparison_title = widgets.HTML()  # shown with the first comparison
         self.comparison_text = widgets.HTML()
         self.comparison_figure = widgets.Output()
         self.widget = widgets.VBox([
             widgets.HBox([self.dropdown, self.precision, self.offload, self.run_button,
                           self.stop_button]),
             self.description, self.unavailable, self.message, self.live,
-            widgets.HTML("<b>Comparison of the runs made here</b>"),
-            self.comparison_text, self.comparison_figure])
+            self.comparison_title, self.comparison_text, self.comparison_figure])
         self.widget.add_class("nbtrain-picker")
         self.dropdown.observe(lambda _: self._describe(), names="value")
         self.run_button.on_click(lambda _: self._click_run())
         self.stop_button.on_click(lambda _: self._click_stop())
         self._describe()
+        self._handles = None
         if display:
             from IPython.display import display as show
 
-            show(self.widget)
+            first, second = self.static_bundles()  # the static twin: see TWIN_STYLE
+            self._handles = (show(self.widget, display_id=True),
+                             show(first, raw=True, display_id=True),
+                             show(second, raw=True, display_id=True))
             mark_shown(self)
 
     # -- actions -----------------------------------------------------------------------
@@ -210,12 +225,33 @@ class StrategyPicker:
         comparison = self.comparison()
         if comparison is None:
             return
+        self.comparison_title.value = "<b>Comparison of the runs made here</b>"
         self.comparison_text.value = comparison.html()
         # Set the Output widget's outputs directly: one trait update, from this thread,
         # without IPython's formatter (which would create a shell outside a kernel).
         self.comparison_figure.outputs = tuple(
             {"output_type": "display_data", "data": bundle, "metadata": {}}
             for bundle in comparison.bundles()[1:])
+        if self._handles is not None:  # the static twin follows
+            first, second = self.static_bundles()
+            self._handles[1].update(first, raw=True)
+            self._handles[2].update(second, raw=True)
+
+    def static_bundles(self) -> tuple[dict, dict]:
+        """The picker as a saved notebook keeps it: what ran, and the comparison."""
+        names = ", ".join(f"{r.strategy.summary()} ({r.status})" for r in self.runs) or "none yet"
+        comparison = self.comparison()
+        head = (f'<div class="nbtrain-twin" style="font-family:sans-serif;font-size:13px">'
+                f"<b>nbtrain StrategyPicker</b> for "
+                f"{html.escape(getattr(self.fn, '__name__', 'fn'))}: runs made: "
+                f"{html.escape(names)}</div>{TWIN_STYLE}")
+        text = f"StrategyPicker runs: {names}"
+        if comparison is None:
+            return {"text/html": head, "text/plain": text}, {"text/plain": ""}
+        bundles = comparison.bundles()
+        first = {"text/html": head + bundles[0]["text/html"],
+                 "text/plain": text + "\n" + bundles[0]["text/plain"]}
+        return first, (bundles[1] if len(bundles) > 1 else {"text/plain": ""})
 
     def _ipython_display_(self) -> None:
         from IPython.display import display as show
