@@ -121,7 +121,10 @@ def test_nothing_shows_twice_in_one_cell(setup, kernel_clean):
     again = [m for m in once if m["msg_type"] in ("display_data", "execute_result")]
     assert len(shown) == len(again) >= 2
     msgs, _ = messages(setup, "nbtrain.StrategyPicker(log_many, devices=2)")
-    assert [m["msg_type"] for m in msgs].count("display_data") == 1
+    shown = [m["content"]["data"] for m in msgs if m["msg_type"] == "display_data"]
+    # once: the widget, then its static twin (text, figure) for when it cannot render
+    assert len(shown) == 3 and "application/vnd.jupyter.widget-view+json" in shown[0]
+    assert "nbtrain-twin" in shown[1]["text/html"]
 
 
 def test_progress_is_one_line_updated_in_place(setup):
