@@ -131,6 +131,13 @@ def test_figure_contents_from_events():
 
 
 # -- the figure's readability rules -----------------------------------------------------
+def as_figure(dash):
+    """The live chart's figure (plain plotly.js dicts) as a plotly figure."""
+    import plotly.graph_objects as go
+
+    return go.Figure(data=dash.figure.data)
+
+
 def legend_order(fig) -> list[str]:
     """The legend's entries as plotly orders them: by legendrank, then trace order."""
     shown = [(t.legendrank if t.legendrank is not None else 1000, i, t.name)
@@ -195,10 +202,10 @@ def test_legend_order_stays_put_while_traces_arrive():
     early = [e for e in events if e.step < 1 and not isinstance(e, (Memory, Comm))]
     dash = Dashboard(display=False, world_size=2)
     drawn_by_its_thread(dash, early)  # metrics and first steps first, as a run sends them
-    first = legend_order(dash.figure)
+    first = legend_order(as_figure(dash))
     drawn_by_its_thread(dash, [e for e in events if e not in early])
     dash.close(None)
-    later = legend_order(dash.figure)
+    later = legend_order(as_figure(dash))
     assert later == ["rank 0", "rank 1", "loss", "acc", "first step (warm-up)", "params",
                      "grads", "optimizer", "all_reduce"]
     assert [n for n in later if n in first] == first  # nothing moved, new ones slotted in
@@ -272,7 +279,7 @@ def test_dashboard_without_display_draws_batched_and_shows_failure():
     dash = Dashboard(display=False, world_size=2)
     dash.on_events(recorded(steps=30, fail_rank=1))
     dash.close(None)
-    names = {t.name for t in dash.figure.data}
+    names = {t["name"] for t in dash.figure.data}
     assert {"loss r0", "loss r1", "params", "all_reduce"} <= names
     assert 0 < dash.points() <= 1000
     assert "rank 1: failed" in dash.header.value and "#e53935" in dash.header.value

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import seeding, strategies
+from ..cells import busy_while_blocking
 from ..run import DASHBOARDS, Run
 from ..spec import WorkerSpec
 from ..strategies import Strategy
@@ -98,6 +99,14 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
     if under_torchrun():  # rank 0 picks the base seed there, and tells the others
         return run_in_process(fn, args, kwargs, chosen, accelerator, options, sinks,
                               dashboard, resume, seed)
+    with busy_while_blocking():  # from here, widget traffic must not read as "Idle"
+        return _launch(fn, args, kwargs, devices, chosen, accelerator, start_method,
+                       background, timeout, sinks, dashboard, resume, seed, base_seed,
+                       options)
+
+
+def _launch(fn, args, kwargs, devices, chosen, accelerator, start_method, background,
+            timeout, sinks, dashboard, resume, seed, base_seed, options) -> Run:
     plan = parse_devices(devices, accelerator)
     chosen.check(plan)
     method = _start_method(start_method, chosen)

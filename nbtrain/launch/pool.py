@@ -30,6 +30,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ..cells import busy_while_blocking
 from ..spec import WorkerSpec
 from .launcher import WorkerHandle, interrupts_deferred
 from .pool_op import INTERRUPT_GRACE_S, PoolOp, RankCellError, cell_error
@@ -405,6 +406,12 @@ class RankPool:
         as ``nbtrain.launch`` does (same arguments, except that devices, accelerator and
         start method are the pool's). What the run made is freed on every rank when it
         ends (on CUDA the allocator's cache is emptied too)."""
+        with busy_while_blocking():
+            return self._launch(fn, args, kwargs, strategy, background, timeout, telemetry,
+                                sinks, dashboard, resume, seed)
+
+    def _launch(self, fn, args, kwargs, strategy, background, timeout, telemetry, sinks,
+                dashboard, resume, seed):
         from ..run import Run
         from ..telemetry.channel import TelemetryServer
         from . import _check_run_args, _wait_in_cell

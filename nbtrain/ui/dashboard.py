@@ -1,12 +1,12 @@
-"""The live dashboard: a header, one plotly ``FigureWidget`` and an error panel; once the
+"""The live dashboard: a header, one live plotly chart and an error panel; once the
 run ends, a static figure that needs no kernel.
 
 Shown by ``launch()`` it is two outputs in the cell, each behind a display handle: one
 widget box (the header, the figure once built, errors in red) and an empty one. The
 header shows at once, before any worker starts: it needs nothing heavy. The figure
-widget is built on the view's own thread once a rank has logged (``prepare``); its first
-build in a kernel takes ~1.5 s (plotly's 5 MB JavaScript is read and shipped once), and
-the workers never wait for it. Everything live is widget state, so a page reload
+chart is built on the view's own thread once a rank has logged (``prepare``): a small
+widget that draws the whole figure with plotly.js, which one loader per kernel brings to
+the page (``livechart.py``); the workers never wait for it. Everything live is widget state, so a page reload
 re-creates the view with the current header and figure, and it goes on updating. When
 the run ends, the two outputs become the static header and a static plotly figure
 (plotly's mimetype, an HTML fallback and text), and the widgets are closed: a saved
@@ -28,21 +28,13 @@ as widgets in one box) for whoever places it (the picker) and for tests.
 
 from __future__ import annotations
 
-import copy
 import html
 import threading
 from typing import TYPE_CHECKING
 
 from ._live import LiveView
 from .fallback import figure_bundle
-from .figures import (
-    build_figure,
-    empty_figure,
-    figure_height,
-    layout_updates,
-    make_trace,
-    trace_specs,
-)
+from .figures import build_figure, figure_height, figure_json
 from .frontend import INSTALL, missing_widget_packages
 from .header import error_html, header_html, header_text
 
@@ -85,13 +77,10 @@ class Dashboard(LiveView):
         # A fixed height: a widget's plot does not follow a later change of it in every
         # container (the picker's box), so the live figure never changes its height.
         self.height = height or figure_height(2)
-        self.figure = None  # the FigureWidget, once built
+        self.figure = None  # the LiveChart, once built
         self.header = self.errors = self.widget = None  # the widget form (display=False)
         self.build_error: BaseException | None = None
         self._handles = None  # (header, figure) display handles when shown in a cell
-        self._index: dict[str, int] = {}
-        self._versions: dict[str, object] = {}
-        self._layout: dict[str, object] = {}
         self.comm_messages = 0
         self._control = None  # the widget frontend's control comm when shown (see recreated)
         self._made: list = []  # every widget made here, closed with the view
@@ -103,6 +92,9 @@ class Dashboard(LiveView):
             # updating. The second output is empty until the run ends: then both take
             # the static header and figure, which a saved notebook keeps.
             self._box(placeholder=True)
+            from .livechart import ensure_plotly
+
+            ensure_plotly()  # the page evaluates plotly.js while the workers start
             self._control = getattr(require_widgets().Widget, "_control_comm", None)
             self._handles = (show(self.widget, display_id=True),
                              show({"text/plain": ""}, raw=True, display_id=True))
@@ -133,15 +125,14 @@ class Dashboard(LiveView):
         self._made += [self.widget, self.header, self.errors, *middle]
 
     def _build(self, boxed: bool) -> None:
-        widgets = require_widgets()
-        import plotly.graph_objects as go
+        from .livechart import LiveChart, ensure_plotly, template
 
-        self.figure = go.FigureWidget(empty_figure(self.height))
+        ensure_plotly()
+        self.figure = LiveChart(template=template())
         if boxed:
             self._box()
             self.widget.children = [self.header, self.figure, self.errors]
         self._count_messages()
-        del widgets
 
     def prepare(self) -> None:
         """On the drawer thread: build the figure widget and put it in the box."""
@@ -190,13 +181,11 @@ class Dashboard(LiveView):
     def draw(self, final: bool) -> None:
         state = self.state
         with state.lock:
-            specs = trace_specs(state) if self.figure is not None else []
-            layout = layout_updates(state, self.height) if self.figure is not None else {}
             header = header_html(state)
             errors = error_html(state)
             shown = self._header_bundle()
         if self.figure is not None and self.build_error is None:
-            self._draw_figure(specs, layout)
+            self._draw_figure()
         if final and self.recreated:
             header += RECREATED_NOTE
         if self.header is not None and header != self.header.value:
@@ -226,39 +215,20 @@ class Dashboard(LiveView):
                     except Exception:
                         pass
 
-    def _draw_figure(self, specs, layout) -> None:
-        fig = self.figure
-        new = [s for s in specs if s.key not in self._index]
-        if new:
-            fig.add_traces([make_trace(s) for s in new])
-            for i, s in enumerate(new):
-                self._index[s.key] = len(fig.data) - len(new) + i
-                self._versions[s.key] = s.version
-        changed = [s for s in specs if self._versions.get(s.key) != s.version]
-        layout = {k: v for k, v in layout.items() if self._layout.get(k) != v}
-        if changed or layout:
-            with fig.batch_update():
-                if layout:
-                    fig.update_layout(layout)
-                    self._layout.update(layout)
-                for s in changed:
-                    trace = fig.data[self._index[s.key]]
-                    for name, value in s.data.items():
-                        setattr(trace, name, value)
-                    self._versions[s.key] = s.version
-        if new or changed or layout:
-            # plotly keeps the state a browser builds a view from as it was when first
-            # shown, and sends later changes as deltas: a view re-created by a reload
-            # drew empty axes. Bring that state up to date, without a message (live
-            # views have the deltas).
-            fig._trait_values["_widget_data"] = copy.deepcopy(fig._data)
-            fig._trait_values["_widget_layout"] = copy.deepcopy(fig._layout_obj._props)
+    def _draw_figure(self) -> None:
+        """Send the whole figure when it changed (the state a re-created view draws)."""
+        data, layout = figure_json(self.state, self.height)
+        layout.pop("template", None)  # the chart has it
+        if data != self.figure.data:
+            self.figure.data = data
+        if layout != self.figure.plot_layout:
+            self.figure.plot_layout = layout
 
     def points(self) -> int:
         """How many points the figure holds now, all traces together."""
         if self.figure is None:
             return 0
-        return sum(len(t.x) for t in self.figure.data if t.x is not None)
+        return sum(len(t.get("x") or ()) for t in self.figure.data)
 
     def _ipython_display_(self) -> None:
         from IPython.display import display as show

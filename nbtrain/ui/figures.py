@@ -321,11 +321,9 @@ def figure_height(rows: int) -> int:
     return 340 if rows == 1 else 600
 
 
-def empty_figure(height: int | None = None):
-    """The panels' axes (each its own pair, anchored to each other) and no traces; no
-    width, so it fills the output it is in."""
-    import plotly.graph_objects as go
-
+def base_layout(height: int | None = None) -> dict[str, Any]:
+    """The panels' axes (each its own pair, anchored to each other), as a plain dict; no
+    width, so the figure fills the output it is in."""
     layout: dict[str, Any] = {
         "height": height or figure_height(2), "autosize": True, "barmode": "stack",
         "template": "plotly_white", "uirevision": "nbtrain",
@@ -344,7 +342,66 @@ def empty_figure(height: int | None = None):
         layout[_axis(n, "x")] = {"anchor": f"y{suffix}", "automargin": True}
         layout[_axis(n, "y")] = {"anchor": f"x{suffix}", "automargin": True,
                                  **({"rangemode": "tozero"} if nonneg else {})}
-    return go.Figure(layout=layout)
+    return layout
+
+
+def empty_figure(height: int | None = None):
+    """``base_layout`` as a plotly figure with no traces."""
+    import plotly.graph_objects as go
+
+    return go.Figure(layout=base_layout(height))
+
+
+def trace_json(spec: TraceSpec) -> dict[str, Any]:
+    """A trace as plotly.js takes it (what ``make_trace`` builds, without plotly.py)."""
+    n = AXES[spec.panel]
+    trace = {"type": "bar" if spec.kind == "bar" else "scatter",
+             "xaxis": f"x{n if n > 1 else ''}", "yaxis": f"y{n if n > 1 else ''}",
+             **spec.props, **{k: list(v) if isinstance(v, tuple) else v
+                              for k, v in spec.data.items()}}
+    if spec.kind != "bar":
+        trace.setdefault("mode", "lines")
+    return trace
+
+
+def figure_json(state: LiveState, height: int | None = None,
+                template: dict | None = None) -> tuple[list[dict], dict[str, Any]]:
+    """``(data, layout)`` of ``state``'s figure as plotly.js takes them: the live chart
+    draws them whole (a view re-created by a reload starts from them)."""
+    with state.lock:
+        specs = trace_specs(state)
+        updates = layout_updates(state, height)
+    layout = base_layout(height)
+    if template is not None:
+        layout["template"] = template
+    for path, value in updates.items():
+        _set_path(layout, path, value)
+    return [trace_json(s) for s in specs], layout
+
+
+def _set_path(target: dict, path: str, value: Any) -> None:
+    """``target["a"]["b"] = value`` for ``"a.b"``, and list items for ``"a[2].b"``."""
+    node: Any = target
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        key, index = part, None
+        if part.endswith("]"):
+            key, index = part[:-1].split("[")
+            index = int(index)
+        last = i == len(parts) - 1
+        if index is None:
+            if last:
+                node[key] = value
+            else:
+                node = node.setdefault(key, {})
+        else:
+            items = node.setdefault(key, [])
+            while len(items) <= index:
+                items.append({})
+            if last:
+                items[index] = value
+            else:
+                node = items[index]
 
 
 def build_figure(state: LiveState, height: int | None = None):
