@@ -8,7 +8,15 @@ training in one process.
   import beside the CPU torch here; the same kind of model: patch embedding, blocks of
   attention with LayerNorm, a class token);
 - ``cnn``: a small ResNet written by hand (BatchNorm everywhere, residual blocks in
-  ``Sequential`` stages), as torchvision's would be.
+  ``Sequential`` stages), as torchvision's would be;
+- ``mistral``: transformers' Mistral with sliding-window attention (window 4 < SEQ),
+  whose training forward fills a cache unless told not to;
+- ``t5``: transformers' T5, an encoder-decoder (self- and cross-attention caches);
+- ``moe``: a mixture of experts written by hand, each expert a module of its own (as in
+  most hand-written MoEs and transformers 4.x): tokens go to experts by their id, so
+  each step leaves some experts without a token on one rank and some on every rank;
+- ``mixtral``: transformers' Mixtral, experts fused into 3-D parameters made with
+  ``torch.empty`` (for ``init_module()``).
 
 Every step each rank trains on its slice of one global batch. The one-process reference
 (``reference``) runs the same slices one after the other and averages their gradients,
@@ -22,7 +30,10 @@ import torch
 from torch import nn
 
 KINDS = ("gpt2", "llama", "vit", "cnn")
+MORE = ("mistral", "t5", "moe", "mixtral")  # models with a cache or with experts
+LMS = ("gpt2", "llama", "mistral", "t5", "moe", "mixtral")
 VOCAB, SEQ, PER_RANK = 96, 12, 4
+EXPERTS = 6
 
 
 class Basic(nn.Module):
@@ -55,9 +66,58 @@ class ResNet(nn.Module):
         return self.fc(x.mean((2, 3)))
 
 
+class Expert(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class MoELayer(nn.Module):
+    """Top-1 routing by token id (hash routing), weighted by the router's probability of
+    that expert, so the router learns too. An expert no token went to takes no part in
+    forward, so it gets no gradient on that rank."""
+
+    def __init__(self, width: int, experts: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.router = nn.Linear(width, experts)
+        self.experts = nn.ModuleList(Expert(width) for _ in range(experts))
+
+    def forward(self, x, ids):
+        h = self.norm(x)
+        gate = self.router(h).softmax(-1)
+        route = ids % len(self.experts)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            hit = route == e
+            if hit.any():
+                out[hit] = (expert(h[hit]) * gate[hit][:, e:e + 1]).to(out.dtype)
+        return x + out
+
+
+class MoE(nn.Module):
+    def __init__(self, width: int = 32, layers: int = 2, experts: int = EXPERTS):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.layers = nn.ModuleList(MoELayer(width, experts) for _ in range(layers))
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x, ids)
+        return self.head(x)
+
+
 def make(kind: str) -> nn.Module:
     if kind == "cnn":
         return ResNet()
+    if kind == "moe":
+        return MoE()
     import transformers as tf
 
     if kind == "gpt2":
@@ -71,6 +131,22 @@ def make(kind: str) -> nn.Module:
             num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
             max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
             pad_token_id=0))
+    if kind == "mistral":
+        return tf.MistralForCausalLM(tf.MistralConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
+            max_position_embeddings=SEQ, sliding_window=4, bos_token_id=0,
+            eos_token_id=0, pad_token_id=0))
+    if kind == "t5":
+        return tf.T5ForConditionalGeneration(tf.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+    if kind == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=32, vocab_size=VOCAB,
+            max_position_embeddings=SEQ, num_local_experts=4, num_experts_per_tok=2,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0))
     if kind == "vit":
         return tf.ViTForImageClassification(tf.ViTConfig(
             image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
@@ -82,16 +158,29 @@ def batch(kind: str, step: int, rank: int, world_size: int = 2):
     """Rank ``rank``'s slice of step ``step``'s global batch."""
     g = torch.Generator().manual_seed(1000 + step)
     n = PER_RANK * world_size
-    if kind in ("gpt2", "llama"):
+    if kind == "moe":  # which experts each rank's tokens reach changes every step
         ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
-        return {"input_ids": ids[rank::world_size]}
+        # rank 0's tokens go to 3 experts, rank 1's to 2 others and one of rank 0's;
+        # the last expert of each step's rotation gets no token on any rank
+        turn = step % EXPERTS
+        mine = [(turn + e) % EXPERTS for e in ((0, 1, 2) if rank == 0 else (0, 3, 4))]
+        pick = torch.tensor(mine)[ids[rank::world_size] % 3]
+        base = ids[rank::world_size] - ids[rank::world_size] % EXPERTS
+        return {"input_ids": base + pick}  # < VOCAB: 90 + 5
+    if kind in LMS:
+        ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+        return {"input_ids": ids[rank::world_size].contiguous()}
     images = torch.randn(n, 3, 16, 16, generator=g)
     labels = torch.randint(0, 10, (n,), generator=g)
     return {"x": images[rank::world_size], "y": labels[rank::world_size]}
 
 
 def loss_of(kind: str, model: nn.Module, b: dict) -> torch.Tensor:
-    if kind in ("gpt2", "llama"):
+    if kind == "moe":
+        ids = b["input_ids"]
+        logits = model(ids[:, :-1])
+        return nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    if kind in LMS:
         return model(input_ids=b["input_ids"], labels=b["input_ids"]).loss
     if kind == "vit":
         return model(pixel_values=b["x"], labels=b["y"]).loss

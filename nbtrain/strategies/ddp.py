@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .base import Host, Strategy, autocast_forward
+from .unused import explain_unused
 
 
 @dataclass
@@ -29,10 +30,13 @@ class DDP(Strategy):
         kwargs = {}
         if self.bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = self.bucket_cap_mb
-        return DistributedDataParallel(
+        ddp = DistributedDataParallel(
             module,
             device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
             **kwargs,
         )
+        if not self.find_unused_parameters:
+            explain_unused(ddp, self.name)
+        return ddp

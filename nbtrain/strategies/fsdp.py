@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from . import norms
+from . import norms, unused
 from .base import Host, Strategy, checkpointed
 
 if TYPE_CHECKING:
@@ -41,6 +41,11 @@ class FSDP(Strategy):
     # Shard within groups of `shard_size` ranks, replicate across groups (2-D mesh).
     hybrid: bool = False
     shard_size: int | None = None
+    # Parameters some rank gives no gradient (experts no token reached): every rank
+    # always reduces every parameter; True also finds those no rank used (one small
+    # all-reduce a step) and leaves them without a gradient, as one process would.
+    # False: they get zeros, and momentum or weight decay moves them (unused.py).
+    find_unused_parameters: bool = True
 
     description: ClassVar[str] = (
         "Fully sharded data parallel: each rank stores 1/N of the parameters, gradients and "
@@ -153,8 +158,15 @@ class FSDP(Strategy):
         for unit in units:
             fully_shard(wrappers.get(id(unit), unit), **options)
         fully_shard(module, **options)
+        unused.reduce_every_parameter(module)  # no rank-dependent reduce-scatter sizes
         norms.broadcast_before_forward(module)  # DDP's rule for running statistics
         return module
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module,
+                        ctx: Host) -> torch.optim.Optimizer:
+        if self.find_unused_parameters:
+            unused.track(module, optimizer, ctx.device)
+        return optimizer
 
     def grad_scaler(self, ctx: Host):
         if self.mixed_precision != "fp16":

@@ -22,19 +22,23 @@ class Entry:
     name: str
     make: Callable[..., Strategy]
     description: str
+    alias: bool = False  # another name for a listed one (Lightning's): not in the picker
 
 
 _REGISTRY: dict[str, Entry] = {}
 
 
-def register(name: str, make: Callable[..., Strategy], description: str) -> None:
+def register(name: str, make: Callable[..., Strategy], description: str,
+             alias: bool = False) -> None:
     if name in _REGISTRY:
         raise ValueError(f"strategy {name!r} is registered already.")
-    _REGISTRY[name] = Entry(name, make, description)
+    _REGISTRY[name] = Entry(name, make, description, alias)
 
 
-def names() -> list[str]:
-    return list(_REGISTRY)
+def names(aliases: bool = True) -> list[str]:
+    """Every registered name; ``aliases=False``: without Lightning's other spellings
+    (``ddp_fork``, ``ddp_find_unused_parameters_true``, ...), as the picker lists them."""
+    return [e.name for e in _REGISTRY.values() if aliases or not e.alias]
 
 
 def describe() -> dict[str, str]:
@@ -90,6 +94,18 @@ register("ddp_notebook", _variant(DDP, start_method="fork"),
 register("ddp_spawn", _variant(DDP, start_method="spawn"),
          "DDP in freshly spawned processes: safe when CUDA is already initialised in the "
          "kernel, slower to start.")
+register("ddp_fork", _variant(DDP, start_method="fork"), "Lightning's name for ddp_notebook.",
+         alias=True)
+# Lightning's names for DDP told (or not) to look for parameters without a gradient
+for _base, _method in (("ddp", None), ("ddp_notebook", "fork"), ("ddp_fork", "fork"),
+                       ("ddp_spawn", "spawn")):
+    for _find in (True, False):
+        register(f"{_base}_find_unused_parameters_{str(_find).lower()}",
+                 _variant(DDP, start_method=_method, find_unused_parameters=_find),
+                 f"{_base} with find_unused_parameters={_find}"
+                 + (": for models where some parameters get no gradient on some steps "
+                    "(a mixture of experts, a branch not taken)." if _find else "."),
+                 alias=True)
 register("zero1", Zero1, Zero1.description)
 register("fsdp", FSDP, FSDP.description)
 register("fsdp_grad_op", _variant(FSDP, reshard_after_forward=False),

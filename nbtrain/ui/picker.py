@@ -49,7 +49,7 @@ class StrategyPicker:
         from .dashboard import require_widgets
 
         widgets = require_widgets()
-        names = strategies_shown or strategies.names()
+        names = strategies_shown or strategies.names(aliases=False)
         unknown = [n for n in names if n not in strategies.names()]
         if unknown:
             raise ValueError(f"unknown strategies {unknown}; known: {strategies.names()}.")
