@@ -55,6 +55,10 @@ class UsedParameters:
         backend = str(dist.get_backend()) if dist.is_initialized() else "gloo"
         self.device = torch.device("cpu") if "gloo" in backend else device
         self.zeros = not hasattr(module, "set_reduce_scatter_unused_params")
+        # A step with no backward before it (torch's checkpoint loader initialises an
+        # optimizer's state with one, on zero gradients) is left alone: every rank runs
+        # FSDP's backward together, so every rank agrees on whether there was one.
+        self.backward_seen = False
         for group in _groups(module):
             self._watch(group)
 
@@ -63,6 +67,7 @@ class UsedParameters:
         index, used, zeros = self.index, self.used, self.zeros
 
         def noting_post_backward(*args, **kwargs):
+            self.backward_seen = True
             for fp in group.fsdp_params:
                 i = index.get(id(fp.sharded_param))
                 if i is None or not hasattr(fp, "_unsharded_param"):
@@ -78,6 +83,9 @@ class UsedParameters:
 
     def before_step(self, optimizer, args, kwargs) -> None:
         """Optimizer step pre-hook: agree on what was used, drop the others' gradients."""
+        if not self.backward_seen:
+            return
+        self.backward_seen = False
         flags = self.used.to(self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         for param, flag in zip(self.params, flags.tolist(), strict=True):
