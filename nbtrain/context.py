@@ -47,6 +47,7 @@ class Context:
         self._recorder = (Recorder(self.rank, self.device, telemetry, spec.telemetry)
                           if telemetry is not None else None)
         self._scaler = None
+        self._engine = None  # DeepSpeed's engine, once ctx.setup made it
         self._batches = 0
         self._logs = 0
         self._pending: list[tuple[int, float, dict[str, Any]]] = []
@@ -117,6 +118,8 @@ class Context:
         model = strategy.prepare_module(model)
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         on_meta = meta_init.on_meta(model)
+        if hasattr(strategy, "setup_engine"):  # DeepSpeed: model and optimizer together
+            return self._setup_engine(strategy, model, optimizers, on_meta)
         if on_meta:  # where each tensor's values come from, before sharding replaces it
             refs = meta_init.plan(model, self._init_recording)
         sharded = on_meta and _shards(strategy)
@@ -140,6 +143,24 @@ class Context:
         for opt in optimizers:
             self._model_of[id(opt)] = wrapped
         return (wrapped, *optimizers) if optimizers else wrapped
+
+    def _setup_engine(self, strategy, model, optimizers, on_meta):
+        if on_meta:
+            raise NotImplementedError(
+                f"ctx.init_module() is not supported under {strategy.name!r} yet: build the "
+                "model without it (stage 3 shards it at ctx.setup).")
+        engine, optimizers = strategy.setup_engine(model, optimizers, self)
+        self._engine = engine
+        if self._recorder is not None:
+            self._recorder.watch(engine, optimizers, ddp=False)
+        for opt in optimizers:
+            self._model_of[id(opt)] = engine
+        return (engine, *optimizers) if optimizers else engine
+
+    def _refuse_under_engine(self, what: str, instead: str) -> None:
+        if self._engine is not None:
+            raise NotImplementedError(f"{what} is not supported under {self.strategy.name!r} "
+                                      f"yet: {instead}")
 
     @contextlib.contextmanager
     def init_module(self):
@@ -166,7 +187,9 @@ class Context:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled when the strategy trains in fp16."""
-        if self._scaler is not None:
+        if self._engine is not None:  # DeepSpeed scales and reduces in its backward
+            self._engine.backward(loss)
+        elif self._scaler is not None:
             self._scaler.scale(loss).backward()
         else:
             loss.backward()
@@ -177,6 +200,9 @@ class Context:
         """Within this block, backward accumulates gradients locally without
         synchronising them across ranks (DDP's ``no_sync``, FSDP's
         ``set_requires_gradient_sync(False)``). Put forward and backward inside it."""
+        self._refuse_under_engine(
+            "ctx.no_backward_sync", "give DeepSpeed's config={'gradient_accumulation_steps': "
+            "n}; it reduces gradients only on the n-th micro-step.")
         if not enabled:
             yield
             return
@@ -204,6 +230,9 @@ class Context:
                 if acc.ready:  # after every 4th micro-step
                     opt.step(); opt.zero_grad()
         """
+        self._refuse_under_engine(
+            "ctx.accumulate", "give DeepSpeed's config={'gradient_accumulation_steps': n} "
+            "and call ctx.backward and opt.step every micro-step (it steps every n-th).")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"ctx.accumulate(model, steps={steps!r}): give an int >= 1.")
         return Accumulator(self, model, steps)
@@ -216,6 +245,9 @@ class Context:
         DTensor shards are reduced across ranks). In fp16, pass the optimizer: its
         gradients are unscaled first.
         """
+        self._refuse_under_engine(
+            "ctx.clip_grad_norm_", "give DeepSpeed's config={'gradient_clipping': max_norm}; "
+            "it clips in opt.step().")
         if not isinstance(max_norm, (int, float)) or max_norm <= 0:
             raise ValueError(f"max_norm={max_norm!r} must be a positive number.")
         if self._scaler is not None:
@@ -241,6 +273,9 @@ class Context:
         by rank 0. Either loads into any strategy and world size, and in the notebook
         with ``nbtrain.checkpoint.load``. Every rank must call it.
         """
+        self._refuse_under_engine(
+            "ctx.save", "save ctx.full_state_dict(model) from rank 0 (torch.save), which a "
+            "plain model loads.")
         from . import checkpoint
 
         checkpoint.save(path, state, full=full, models=self._model_of)
@@ -249,6 +284,8 @@ class Context:
              strict: bool = True) -> dict[str, Any]:
         """Load a checkpoint into ``state`` (models and optimizers in place, other values
         replaced) and return it. Every rank must call it."""
+        self._refuse_under_engine(
+            "ctx.load", "load a full state dict into the model before ctx.setup.")
         from . import checkpoint
 
         with self._recorder.paused() if self._recorder is not None else contextlib.nullcontext():

@@ -310,3 +310,19 @@ def test_code_written_for_torchrun_runs_on_nccl_after_importing_a_framework(libr
         assert f"fork {expected} False" in reply.stdout, reply.stdout
     finally:
         kernel.shutdown()
+
+
+@pytest.mark.parametrize("strategy", ["deepspeed_stage_3", "deepspeed_stage_2_offload"])
+def test_deepspeed_trains_on_cuda_as_one_process(strategy):
+    """DeepSpeed ZeRO on NCCL from a forked kernel (its import happens in the workers,
+    so the kernel's fork stays usable)."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    n = _ranks()
+    run = nbtrain.launch(fit, "gpt2", devices=n, accelerator="cuda", strategy=strategy,
+                         dashboard=False)
+    assert run.start_method == "fork" and run.note is None
+    ref = reference("gpt2", world_size=n)
+    for rank in range(n):
+        expected = [per_rank[rank] for per_rank in ref["losses"]]
+        assert run.results[rank]["losses"] == pytest.approx(expected, rel=1e-3)

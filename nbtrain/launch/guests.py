@@ -83,11 +83,16 @@ def activity_message(activity: dict[str, int]) -> bytes:
 
 
 def _sequence(dist) -> int:
-    """How many collectives were issued on the default group so far (0 without one)."""
+    """How many collectives were issued so far on the groups that span every rank: the
+    default group and any a framework made of all ranks (DeepSpeed's data-parallel
+    group); 0 without a process group."""
     if not dist.is_initialized():
         return 0
     try:
-        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+        world = dist.get_world_size()
+        groups = list(dist.distributed_c10d._world.pg_map)
+        return sum(int(g._get_sequence_number_for_group()) for g in groups
+                   if g.size() == world)
     except Exception:
         return 0
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from .base import Strategy
 from .ddp import DDP
+from .deepspeed import DeepSpeed
 from .fsdp import FSDP
 from .zero import Zero1
 
@@ -118,3 +119,19 @@ register("fsdp_hybrid", _variant(FSDP, hybrid=True),
 register("fsdp_offload", _variant(FSDP, offload=True),
          "Full sharding with parameters, gradients and optimizer state kept in CPU memory, "
          "moved to the GPU only when used (CUDA only).")
+register("deepspeed", _variant(DeepSpeed, stage=2), DeepSpeed.description)
+register("deepspeed_stage_1", _variant(DeepSpeed, stage=1),
+         "DeepSpeed ZeRO stage 1: optimizer state sharded (needs nbtrain[deepspeed]).")
+register("deepspeed_stage_2", _variant(DeepSpeed, stage=2),
+         "DeepSpeed ZeRO stage 2: gradients and optimizer state sharded (needs "
+         "nbtrain[deepspeed]).", alias=True)
+register("deepspeed_stage_2_offload", _variant(DeepSpeed, stage=2, offload_optimizer=True),
+         "DeepSpeed ZeRO stage 2 with the optimizer state in CPU memory (needs "
+         "nbtrain[deepspeed]).")
+register("deepspeed_stage_3", _variant(DeepSpeed, stage=3),
+         "DeepSpeed ZeRO stage 3: parameters, gradients and optimizer state sharded (needs "
+         "nbtrain[deepspeed]).")
+register("deepspeed_stage_3_offload",
+         _variant(DeepSpeed, stage=3, offload_optimizer=True, offload_parameters=True),
+         "DeepSpeed ZeRO stage 3 with parameters and optimizer state in CPU memory (needs "
+         "nbtrain[deepspeed]).")

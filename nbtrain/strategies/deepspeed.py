@@ -1,0 +1,241 @@
+"""DeepSpeed ZeRO under Lightning's names (``deepspeed``, ``deepspeed_stage_1`` ...
+``deepspeed_stage_3_offload``), run through nbtrain's ``ctx``.
+
+``ctx.setup(model, opt)`` hands both to ``deepspeed.initialize`` and returns its engine
+(an ``nn.Module``: call it as the model) and an optimizer whose ``step()`` is the
+engine's step and whose ``zero_grad()`` the engine's; ``ctx.backward(loss)`` is the
+engine's backward. The training function does not change.
+
+The config is nbtrain's defaults with the user's own (``config=``, a dict or a JSON
+path) merged over them: the stage, offload of the optimizer (stages 1-3) and of the
+parameters (stage 3) to CPU memory, Lightning's bucket sizes (2e8; DeepSpeed's 5e8 makes
+stage 3 allocate 2 GB up front), a torch optimizer allowed as it is (with offload too:
+``zero_force_ds_cpu_optimizer`` off, so no native Adam is compiled). ``bf16`` computes
+under ``torch.autocast`` with fp32 weights, as nbtrain's other strategies do
+(DeepSpeed's ``torch_autocast``). DeepSpeed's shared-memory all-reduce op, which only its
+own launcher uses and which costs a 100 s C++ build on first use, is turned off.
+
+Not yet: ``ctx.accumulate`` and ``ctx.no_backward_sync`` (DeepSpeed's own
+``gradient_accumulation_steps`` in ``config=`` does it), ``ctx.clip_grad_norm_`` (its
+``gradient_clipping``), ``ctx.save``/``ctx.load``, ``ctx.init_module()``, fp16: each
+fails at the call with the way to get it.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from . import norms
+from .base import Host, Strategy
+
+if TYPE_CHECKING:
+    from ..launch.devices import DevicePlan
+
+INSTALL = 'pip install "nbtrain[deepspeed]"'
+BUCKET = int(2e8)  # Lightning's reduce and all-gather bucket sizes
+
+
+def available() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def merge(base: dict, over: dict) -> dict:
+    """``base`` with ``over`` merged in, nested dicts key by key."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+@dataclass
+class DeepSpeed(Strategy):
+    stage: int = 2
+    # Keep the optimizer state (and its fp32 weights) in CPU memory.
+    offload_optimizer: bool = False
+    # Keep the parameters in CPU memory between uses (stage 3 only).
+    offload_parameters: bool = False
+    # Your DeepSpeed config, a dict or a JSON file's path, merged over nbtrain's defaults.
+    config: dict | str | None = None
+
+    description: ClassVar[str] = (
+        "DeepSpeed ZeRO stage 2: gradients and optimizer state sharded, parameters whole "
+        "on every rank (needs nbtrain[deepspeed]).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"DeepSpeed stage={self.stage!r}: ZeRO stages are 1, 2 and 3.")
+        if self.offload_parameters and self.stage != 3:
+            raise ValueError("offload_parameters=True needs ZeRO stage 3 (stages 1 and 2 "
+                             "keep whole parameters on every rank): use "
+                             "'deepspeed_stage_3_offload'.")
+        if isinstance(self.config, (str, os.PathLike)):
+            path = Path(self.config)
+            if not path.is_file():
+                raise FileNotFoundError(f"DeepSpeed config={str(self.config)!r}: no such "
+                                        "file. Give a dict or the path of a JSON file.")
+            try:
+                self.config = json.loads(path.read_text())
+            except json.JSONDecodeError as err:
+                raise ValueError(f"DeepSpeed config {str(path)!r} is not JSON: {err}") from None
+        if self.config is not None and not isinstance(self.config, dict):
+            raise TypeError(f"DeepSpeed config= takes a dict or a JSON file's path; got "
+                            f"{type(self.config).__name__}.")
+        if self.mixed_precision == "fp16":
+            raise ValueError("mixed_precision='fp16' is not wired to DeepSpeed's loss scaler "
+                             "yet: use 'bf16', or give DeepSpeed's own "
+                             "config={'fp16': {'enabled': True}} (your inputs must then be "
+                             "fp16 too).")
+
+    def check(self, plan: DevicePlan) -> None:
+        super().check(plan)
+        if not available():
+            raise ValueError(f"strategy {self.name or 'deepspeed'!r} needs DeepSpeed, which "
+                             f"is not installed: {INSTALL} (a pure-Python wheel; no compiler "
+                             "needed for ZeRO stages 1-3).")
+        if self.sync_batchnorm:
+            raise ValueError("sync_batchnorm=True is not supported under DeepSpeed here.")
+
+    def ds_config(self, ctx: Host) -> dict:
+        zero: dict[str, Any] = {"stage": self.stage, "reduce_bucket_size": BUCKET,
+                                "allgather_bucket_size": BUCKET}
+        pin = ctx.device.type == "cuda"
+        if self.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        if self.offload_parameters:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+        if self.stage == 3:
+            zero.update(stage3_prefetch_bucket_size=BUCKET,
+                        stage3_param_persistence_threshold=0)
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 1,  # bookkeeping only: you feed the batches
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,  # your torch optimizer, as it is
+            "zero_force_ds_cpu_optimizer": False,  # offload without compiling CPU Adam
+            "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told; one process does not
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+        if self.mixed_precision == "bf16":
+            config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+        return merge(config, self.config or {})
+
+    def setup_module(self, module: nn.Module, ctx: Host) -> nn.Module:
+        raise RuntimeError("DeepSpeed takes the model and its optimizer together: "
+                           "ctx.setup(model, opt).")
+
+    def setup_engine(self, module: nn.Module, optimizers: tuple, ctx: Host):
+        """``(engine, (optimizer,))`` from ``deepspeed.initialize``."""
+        if len(optimizers) > 1:
+            raise ValueError(f"DeepSpeed trains a model with one optimizer; ctx.setup got "
+                             f"{len(optimizers)}. Put the parameter groups in one optimizer.")
+        deepspeed = import_deepspeed(ctx.device.type)
+        module = module.to(ctx.device)
+        self.checkpoint_activations(module)
+        norms.broadcast_before_forward(module)  # DDP's rule for running statistics
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizers[0] if optimizers else None,
+            model_parameters=None if optimizers else list(module.parameters()),
+            config=self.ds_config(ctx))
+        return engine, ((EngineOptimizer(engine, optimizer),) if optimizers else ())
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        import torch.distributed as dist
+
+        engine = module
+        norms.sync_statistics(engine.module)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        if getattr(engine, "zero_optimization_partition_weights", lambda: False)():
+            full = engine._zero3_consolidated_16bit_state_dict()  # a collective
+        else:
+            full = engine.module.state_dict()
+        if not rank0:
+            return {}
+        return {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                for k, v in (full or {}).items()}
+
+    def summary(self) -> str:
+        extras = [f"stage={self.stage}"]
+        if self.offload_optimizer:
+            extras.append("offload_optimizer")
+        if self.offload_parameters:
+            extras.append("offload_parameters")
+        if self.mixed_precision:
+            extras.append(f"mixed_precision={self.mixed_precision}")
+        return self.name + f" ({', '.join(extras)})"
+
+
+class EngineOptimizer:
+    """What the training function holds as its optimizer: ``step()`` steps the engine
+    (optimizer step, then its gradients cleared), ``zero_grad()`` clears them;
+    ``param_groups`` and ``state_dict`` are DeepSpeed's optimizer's (an LR scheduler
+    built on this object's ``param_groups`` drives it)."""
+
+    def __init__(self, engine, optimizer):
+        self.engine, self.optimizer = engine, optimizer
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("DeepSpeed's step takes no closure.")
+        self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.engine.zero_grad()
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return getattr(self.optimizer, "state", {})
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer DeepSpeed steps (on this rank's partition)."""
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def register_step_post_hook(self, hook):
+        return self.torch_optimizer.register_step_post_hook(
+            lambda opt, args, kwargs: hook(self, args, kwargs))
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"EngineOptimizer({type(self.optimizer).__name__})"
+
+
+def import_deepspeed(device_type: str):
+    """``import deepspeed``, quietly, with its CPU accelerator on CPU and without the
+    shared-memory op only its own launcher uses (a 100 s C++ build)."""
+    if device_type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import logging
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import deepspeed
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # torch 2.13 deprecates the collectives DeepSpeed calls; one warning per call and rank
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
+                            category=FutureWarning)
+    return deepspeed

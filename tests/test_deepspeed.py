@@ -1,0 +1,116 @@
+"""DeepSpeed ZeRO under Lightning's names, from nbtrain's ctx, on 2 CPU ranks over gloo:
+each stage (offload included, with a torch optimizer: nothing compiled) trains models
+built from configs to the weights one process gets; bf16 close to fp32; the user's own
+config merged over nbtrain's; what is not wired yet fails at the call with the way to
+get it; and in a real kernel, ten launches in a row leave no process and no file in
+/dev/shm."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from models import fit, reference
+from test_models import check
+
+import nbtrain
+from nbtrain.strategies import deepspeed as ds
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+STAGES = ["deepspeed_stage_1", "deepspeed", "deepspeed_stage_3", "deepspeed_stage_2_offload",
+          "deepspeed_stage_3_offload"]
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {kind: reference(kind, 3) for kind in ("gpt2", "cnn")}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "cnn"])
+@pytest.mark.parametrize("strategy", STAGES)
+def test_each_stage_trains_as_one_process(kind, strategy, references):
+    # GPT-2's gradients exceed a norm of 1: DeepSpeed's default clipping would show here;
+    # the ResNet's running statistics are rank 0's on every rank, as under DDP
+    run = nbtrain.launch(fit, kind, steps=3, devices=2, accelerator="cpu",
+                         strategy=strategy, dashboard=False)
+    check(run, references[kind], kind, strategy)
+    assert run.note is None, run.note  # the ranks trained together (DeepSpeed's own group)
+
+
+def test_bf16_computes_under_autocast_with_fp32_weights(references):
+    run = nbtrain.launch(fit, "gpt2", steps=3, devices=2, accelerator="cpu",
+                         strategy="deepspeed_stage_3", mixed_precision="bf16", dashboard=False)
+    ref = references["gpt2"]
+    for rank in (0, 1):
+        expected = [per_rank[rank] for per_rank in ref["losses"]]
+        assert run.results[rank]["losses"] == pytest.approx(expected, rel=0.05)
+    for name, value in ref["full"].items():
+        got = run.result["full"][name]
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, value, rtol=0.05, atol=0.02, msg=name)
+
+
+def test_your_config_is_merged_over_ours(tmp_path):
+    class Host:
+        device = torch.device("cpu")
+        rank, world_size = 0, 2
+
+    strategy = nbtrain.strategies.get("deepspeed_stage_3_offload",
+                                      config={"zero_optimization": {"reduce_bucket_size": 5},
+                                              "gradient_clipping": 1.0})
+    config = strategy.ds_config(Host())
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["reduce_bucket_size"] == 5
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]
+    assert config["gradient_clipping"] == 1.0 and config["zero_allow_untested_optimizer"]
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    assert nbtrain.strategies.get("deepspeed", config=str(path)).ds_config(Host())[
+        "zero_optimization"]["stage"] == 1
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        nbtrain.strategies.get("deepspeed", config=str(tmp_path / "missing.json"))
+
+
+def test_bad_options_fail_before_a_worker_starts(monkeypatch):
+    with pytest.raises(ValueError, match="needs ZeRO stage 3"):
+        nbtrain.strategies.get("deepspeed", offload_parameters=True)
+    with pytest.raises(ValueError, match="use 'bf16'"):
+        nbtrain.strategies.get("deepspeed", mixed_precision="fp16")
+    monkeypatch.setattr(ds, "available", lambda: False)
+    with pytest.raises(ValueError, match=r'pip install "nbtrain\[deepspeed\]"'):
+        nbtrain.launch(fit, "cnn", devices=2, accelerator="cpu", strategy="deepspeed",
+                       dashboard=False)
+
+
+def clipped(ctx):
+    model = torch.nn.Linear(4, 4)
+    model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ctx.backward(model(torch.randn(2, 4)).sum())
+    ctx.clip_grad_norm_(model, 1.0)
+
+
+def test_what_is_not_wired_yet_says_what_to_do():
+    with pytest.raises(nbtrain.WorkerError, match="gradient_clipping"):
+        nbtrain.launch(clipped, devices=2, accelerator="cpu", strategy="deepspeed",
+                       dashboard=False)
+
+
+def test_ten_launches_in_a_kernel_leave_nothing(kernel_clean):
+    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    kernel_clean.run(
+        "import sys, torch, nbtrain\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from models import fit\n"
+        "runs = [nbtrain.launch(fit, 'gpt2', steps=2, devices=2, accelerator='cpu',\n"
+        "                      strategy=s, dashboard=False)\n"
+        "        for s in ['deepspeed_stage_3', 'deepspeed_stage_2_offload'] * 5]\n",
+        timeout=600)
+    assert kernel_clean.value("[r.status for r in runs]") == ["done"] * 10
+    assert kernel_clean.value("len(runs[-1].result['losses'])") == 2
+    left = (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) - shm
+    assert not left, f"files left in /dev/shm: {sorted(left)}"
