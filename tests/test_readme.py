@@ -18,7 +18,7 @@ def test_first_bash_block_is_install_demo_tests():
     lines = [re.sub(r"\s*#.*$", "", line) for line in block("bash").splitlines()]
     lines = [line for line in lines if line.strip()]
     assert len(lines) == 3
-    assert 'pip install "torch==2.13.0"' in lines[0] and 'pip install -e ".[dev]"' in lines[0]
+    assert 'pip install "torch==2.13.0"' in lines[0] and 'pip install -e ".[dev,deepspeed]"' in lines[0]
     assert lines[1].startswith("python -m nbtrain demo") and "pytest" in lines[2]
 
 

@@ -470,10 +470,15 @@ def test_picker_offers_what_runs_on_the_accelerator(monkeypatch):
     from nbtrain import strategies
     from nbtrain.launch.devices import DevicePlan
 
+    from nbtrain.strategies import deepspeed
+
     cpu = nbtrain.StrategyPicker(train, devices=2, accelerator="cpu", display=False)
     assert "fsdp_offload" not in cpu.dropdown.options
-    assert set(cpu.dropdown.options) == set(strategies.names()) - {"fsdp_offload"}
-    assert list(cpu.not_offered) == ["fsdp_offload"]
+    # Lightning's other spellings are not offered; DeepSpeed's names are where it is
+    missing = {"fsdp_offload"} | ({n for n in strategies.names() if n.startswith("deepspeed")}
+                                  if not deepspeed.available() else set())
+    assert set(cpu.dropdown.options) == set(strategies.names(aliases=False)) - missing
+    assert set(cpu.not_offered) == missing
     assert "fsdp_offload" in cpu.unavailable.value and "nothing to offload" in cpu.unavailable.value
     with pytest.raises(ValueError, match="'fsdp_offload' cannot run here: .*nothing to offload"):
         cpu.start("fsdp_offload")
@@ -485,7 +490,10 @@ def test_picker_offers_what_runs_on_the_accelerator(monkeypatch):
     monkeypatch.setattr(sys.modules["nbtrain.launch.devices"], "parse_devices",
                         lambda devices, accelerator: DevicePlan("cuda", (0, 1)))
     gpu = nbtrain.StrategyPicker(train, devices=2, accelerator="cuda", display=False)
-    assert list(gpu.dropdown.options) == strategies.names() and gpu.not_offered == {}
+    offered = [n for n in strategies.names(aliases=False)
+               if deepspeed.available() or not n.startswith("deepspeed")]
+    assert list(gpu.dropdown.options) == offered
+    assert set(gpu.not_offered) == missing - {"fsdp_offload"}
     assert gpu.unavailable.value == ""
     gpu.dropdown.value = "fsdp"
     assert not gpu.offload.disabled
