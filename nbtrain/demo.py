@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for name in args.strategies:
         print(f"\n== {name} on {args.devices} × {args.accelerator}: "
-              f"{strategies.describe()[name]}", flush=True)
+              f"{strategies.describe(aliases=True)[name]}", flush=True)
         t = time.monotonic()
         run = launch(train_charlm, devices=args.devices, accelerator=args.accelerator,
                      strategy=name, steps=args.steps, batch_size=args.batch_size)

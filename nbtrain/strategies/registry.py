@@ -42,9 +42,10 @@ def names(aliases: bool = True) -> list[str]:
     return [e.name for e in _REGISTRY.values() if aliases or not e.alias]
 
 
-def describe() -> dict[str, str]:
-    """``{name: one-sentence description}`` for every registered strategy."""
-    return {e.name: e.description for e in _REGISTRY.values()}
+def describe(aliases: bool = False) -> dict[str, str]:
+    """``{name: one-sentence description}`` for the registered strategies (with
+    Lightning's other spellings when ``aliases``)."""
+    return {e.name: e.description for e in _REGISTRY.values() if aliases or not e.alias}
 
 
 def unavailable(plan: DevicePlan, names_: list[str] | None = None) -> dict[str, str]:
@@ -71,7 +72,9 @@ def get(strategy: str | Strategy, **options) -> Strategy:
         raise TypeError(f"strategy={strategy!r}: give a name from {names()} or a Strategy.")
     entry = _REGISTRY.get(strategy.lower())
     if entry is None:
-        raise ValueError(f"unknown strategy {strategy!r}; known strategies: {', '.join(names())}.")
+        raise ValueError(f"unknown strategy {strategy!r}; known strategies: "
+                         f"{', '.join(names(aliases=False))} (and Lightning's other "
+                         f"spellings: strategies.names()).")
     try:
         return entry.make(name=entry.name, **options)
     except TypeError as err:

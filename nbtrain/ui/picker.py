@@ -70,7 +70,7 @@ class StrategyPicker:
         self.dashboard = None
         self._compared = threading.Event()  # set once the comparison shows the last run
         self._compared.set()
-        self._descriptions = strategies.describe()
+        self._descriptions = strategies.describe(aliases=True)
         self.dropdown = widgets.Dropdown(options=names, value=names[0], description="strategy")
         self.precision = widgets.Dropdown(options=PRECISIONS, value="fp32",
                                           description="precision")
