@@ -14,6 +14,7 @@ import pytest
 import torch
 from models import fit, reference
 from test_models import check
+from workloads import param_count, train
 
 import nbtrain
 from nbtrain.strategies import deepspeed as ds
@@ -40,6 +41,27 @@ def test_each_stage_trains_as_one_process(kind, strategy, references):
                          strategy=strategy, dashboard=False)
     check(run, references[kind], kind, strategy)
     assert run.note is None, run.note  # the ranks trained together (DeepSpeed's own group)
+
+
+@pytest.mark.parametrize("strategy,sharded", [
+    ("deepspeed_stage_1", (False, True, True)),  # whole gradients are freed once reduced
+    ("deepspeed", (False, True, True)),
+    ("deepspeed_stage_3", (True, True, True)),
+])
+def test_memory_by_category_is_deepspeeds_partitions(strategy, sharded):
+    # Adam in fp32: 4 bytes a parameter, 4 of gradient, and in the optimizer DeepSpeed's
+    # fp32 master partition (4) beside Adam's two moments (8); what is sharded, over 2
+    run = nbtrain.launch(train, devices=2, accelerator="cpu", strategy=strategy,
+                         dashboard=False, telemetry=nbtrain.Telemetry(memory_every=1))
+    n = param_count()
+    expected = {"params": 4 * n, "grads": 4 * n, "optimizer": 12 * n}
+    for rank in (0, 1):
+        memory = [e for e in run.history.events("memory", rank)][-1].values
+        for (category, full), split in zip(expected.items(), sharded, strict=True):
+            want = full / 2 if split else full
+            assert memory[category] == pytest.approx(want, rel=0.05), (rank, category)
+    comparison = nbtrain.compare(run, display=False)
+    assert strategy in comparison.table() and "theory" in comparison.table().lower()
 
 
 def test_bf16_computes_under_autocast_with_fp32_weights(references):
@@ -114,3 +136,20 @@ def test_ten_launches_in_a_kernel_leave_nothing(kernel_clean):
     assert kernel_clean.value("len(runs[-1].result['losses'])") == 2
     left = (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) - shm
     assert not left, f"files left in /dev/shm: {sorted(left)}"
+
+
+def test_a_pool_runs_deepspeed_again_and_again_without_growing():
+    # every run makes DeepSpeed's own process group; a warm worker must not keep them
+    import psutil
+
+    with nbtrain.RankPool(devices=2, accelerator="cpu") as pool:
+        before = [row["tensor_bytes"] for row in pool.status]
+        threads = []
+        for strategy in ["deepspeed_stage_3", "deepspeed", "deepspeed_stage_3_offload"] * 2:
+            run = pool.launch(fit, "gpt2", steps=2, strategy=strategy, dashboard=False)
+            assert run.status == "done" and len(run.result["losses"]) == 2
+            status = pool.status
+            threads.append([psutil.Process(row["pid"]).num_threads() for row in status])
+            # DeepSpeed's engine, optimizer and parameters are gone after each run
+            assert [row["tensor_bytes"] for row in status] == before, (strategy, status)
+        assert all(t == threads[0] for t in threads), threads  # no group's threads stay

@@ -29,7 +29,7 @@ class ForkLauncher:
         # after the run's header is on the page, not before it. (A pool's workers get no
         # payload; the pool warms the kernel itself.)
         if payload is not None:
-            warm_kernel(payload[3].warm_imports)
+            warm_kernel(payload[3].warm_imports_for(spec.accelerator))
         return start_with_context(self._context, spec, payload)
 
     def close(self) -> None:

@@ -52,6 +52,11 @@ class Strategy:
     # the kernel instead (see launch/warm.py).
     warm_imports: ClassVar[tuple[str, ...]] = ()
 
+    def warm_imports_for(self, accelerator: str) -> tuple[str, ...]:
+        """What a fork launch imports once in the kernel for this strategy on
+        ``accelerator`` (never anything that initialises CUDA there)."""
+        return self.warm_imports
+
     def __post_init__(self) -> None:
         if self.mixed_precision not in PRECISIONS:
             raise ValueError(f"mixed_precision={self.mixed_precision!r} is not one of "

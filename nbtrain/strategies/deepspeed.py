@@ -28,6 +28,7 @@ import importlib.util
 import json
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
     from ..launch.devices import DevicePlan
 
 INSTALL = 'pip install "nbtrain[deepspeed]"'
+# Engines made in this process, for release(): DeepSpeed's gradient hooks on the
+# parameters' autograd nodes hold its optimizer in a cycle Python cannot collect
+_ENGINES: weakref.WeakSet = weakref.WeakSet()
 BUCKET = int(2e8)  # Lightning's reduce and all-gather bucket sizes
 
 
@@ -100,6 +104,15 @@ class DeepSpeed(Strategy):
                              "config={'fp16': {'enabled': True}} (your inputs must then be "
                              "fp16 too).")
 
+    def warm_imports_for(self, accelerator: str) -> tuple[str, ...]:
+        # On CPU the kernel imports DeepSpeed once (its CPU accelerator, chosen by name:
+        # nothing asks CUDA), so forked workers start with it. On GPUs never: a bare
+        # import asks torch.cuda.is_available(), after which the kernel cannot fork.
+        if accelerator != "cpu" or not available():
+            return ()
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        return ("deepspeed",)
+
     def check(self, plan: DevicePlan) -> None:
         super().check(plan)
         if not available():
@@ -151,6 +164,7 @@ class DeepSpeed(Strategy):
             model=module, optimizer=optimizers[0] if optimizers else None,
             model_parameters=None if optimizers else list(module.parameters()),
             config=self.ds_config(ctx))
+        _ENGINES.add(engine)
         return engine, ((EngineOptimizer(engine, optimizer),) if optimizers else ())
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -223,12 +237,45 @@ class EngineOptimizer:
         return f"EngineOptimizer({type(self.optimizer).__name__})"
 
 
+def is_engine(model) -> bool:
+    return callable(getattr(model, "zero_optimization_stage", None))
+
+
+def memory_tensors(engine) -> dict[str, list[torch.Tensor]]:
+    """The tensors of each memory category on this rank, from DeepSpeed's partitions:
+    params (stage 3: this rank's partition ``ds_tensor``; else the whole parameters),
+    grads (the partition of gradients the optimizer steps on; DeepSpeed frees the
+    whole ones after reducing), optimizer (the fp32 master partition DeepSpeed keeps
+    even in fp32 training, and the torch optimizer's state). Offloaded ones are on
+    the CPU, which the probe reports apart on a GPU run."""
+    opt = engine.optimizer
+    if engine.zero_optimization_stage() == 3:
+        params = [p.ds_tensor for p in engine.module.parameters()
+                  if getattr(p, "ds_tensor", None) is not None]
+        masters = list(getattr(opt, "fp32_partitioned_groups_flat", []) or [])
+    else:
+        params = list(engine.module.parameters())
+        masters = list(getattr(opt, "single_partition_of_fp32_groups", []) or [])
+    grads = [m.grad for m in masters if getattr(m, "grad", None) is not None]
+    inner = getattr(opt, "optimizer", opt)
+    state = [v for per_param in getattr(inner, "state", {}).values()
+             for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {"params": params, "grads": grads, "optimizer": masters + state}
+
+
 def import_deepspeed(device_type: str):
     """``import deepspeed``, quietly, with its CPU accelerator on CPU and without the
     shared-memory op only its own launcher uses (a 100 s C++ build)."""
+    import logging
+    import sys
+
     if device_type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import logging
+    elif os.environ.get("DS_ACCELERATOR") == "cpu":  # set by a CPU run in this kernel
+        del os.environ["DS_ACCELERATOR"]
+        real = sys.modules.get("deepspeed.accelerator.real_accelerator")
+        if real is not None:
+            real.ds_accelerator = None  # chosen again, here, for the GPU
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -239,3 +286,57 @@ def import_deepspeed(device_type: str):
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
                             category=FutureWarning)
     return deepspeed
+
+
+def release() -> None:
+    """After a run in a warm worker (a RankPool): destroy the process groups DeepSpeed
+    made of the default one's ranks (their gloo threads outlive the run otherwise, and
+    every run made new ones) and forget them, so the next run starts clean. First each
+    engine's own ``destroy()``: it removes the gradient hooks whose cycle through the
+    autograd graph kept the optimizer, the parameters and the groups alive."""
+    import sys
+
+    for engine in list(_ENGINES):
+        try:
+            engine.destroy()
+        except Exception:
+            pass
+        module = getattr(engine, "module", None)
+        for param in module.parameters() if module is not None else ():
+            # what DeepSpeed hangs on a parameter: its autograd node (which holds the
+            # parameter: a cycle through C++) and, at stage 3, the optimizer itself
+            for name in [n for n in vars(param) if n.startswith(("ds_", "_z3", "grad_acc"))]:
+                delattr(param, name)
+    _ENGINES.clear()
+    # stage 3's module-level holds on the last model: the forward stack and a method
+    # cache keyed by (coordinator, module)
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if offload is not None and isinstance(getattr(offload, "FWD_MODULE_STACK", None), list):
+        offload.FWD_MODULE_STACK.clear()
+    coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
+    cls = getattr(coordinator, "PartitionedParameterCoordinator", None)
+    for fn in vars(cls).values() if cls is not None else ():
+        # under DeepSpeed's NVTX decorator (a closure, no __wrapped__)
+        for inner in [fn, *(c.cell_contents for c in getattr(fn, "__closure__", None) or ())]:
+            if callable(getattr(inner, "cache_clear", None)):
+                inner.cache_clear()
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    world = dist.GroupMember.WORLD
+    made = []
+    for name, value in vars(groups).items():
+        if not (name.startswith("_") and name.endswith(("_GROUP", "_GROUPS"))):
+            continue
+        found = list(value.values()) if isinstance(value, dict) else [value]
+        made += [g for g in found if isinstance(g, dist.ProcessGroup) and g is not world]
+        setattr(groups, name, {} if isinstance(value, dict) else None)
+    for group in {id(g): g for g in made}.values():
+        try:
+            dist.destroy_process_group(group)
+        except Exception:
+            pass

@@ -74,10 +74,13 @@ def memory_by_category(model: nn.Module | None,
     On a GPU run, what lives in host memory instead (FSDP's CPU offload) is reported
     apart as ``params_host``, ``grads_host`` and ``optimizer_host``, when there is any.
     """
+    from ..strategies.deepspeed import is_engine, memory_tensors
     from ..strategies.zero import local_optimizer
 
     seen: set = set()
     on_gpu = device is not None and device.type != "cpu"
+    if model is not None and is_engine(model):  # DeepSpeed: its own partitions
+        return _by_category(memory_tensors(model), seen, on_gpu)
     if model is not None:
         params = list(model.parameters())
     else:  # a loop nbtrain did not set up: the parameters its optimizers train
@@ -88,9 +91,13 @@ def memory_by_category(model: nn.Module | None,
         for per_param in local_optimizer(opt).state.values():
             state += [v for v in per_param.values()
                       if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return _by_category({"params": params, "grads": [p.grad for p in params],
+                         "optimizer": state}, seen, on_gpu)
+
+
+def _by_category(groups: dict[str, list], seen: set, on_gpu: bool) -> dict[str, int]:
     values: dict[str, int] = {}
-    for name, tensors in (("params", params), ("grads", (p.grad for p in params)),
-                          ("optimizer", state)):
+    for name, tensors in groups.items():
         host = [0] if on_gpu else None
         values[name] = _storage_bytes(tensors, seen, host)
         if host and host[0]:

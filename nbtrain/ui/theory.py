@@ -11,6 +11,8 @@ divides what is sharded by N:
     fsdp                4Ψ/N      4Ψ/N      8Ψ/N        3
     fsdp_hybrid         divide by the shard group's size instead of N
     fsdp_offload        ~0 on the GPU: the sharded state lives in CPU memory
+    deepspeed_stage_N   as ZeRO stage N, plus DeepSpeed's fp32 master partition (4Ψ/N)
+                        with the optimizer
 
 What a measurement shows differs from the table, on purpose or by nature (see
 ``FOOTNOTE``): FSDP pads each shard to a multiple of N, keeps the root module's own
@@ -44,7 +46,16 @@ _SHARDED = {
     "fsdp": (True, True, True),
     "fsdp_hybrid": (True, True, True),
     "fsdp_offload": (True, True, True),
+    # DeepSpeed (Lightning's names): it also keeps an fp32 master partition, 4Ψ/N, counted
+    # with the optimizer (as the ZeRO paper does), even when training in fp32
+    "deepspeed_stage_1": (False, False, True),
+    "deepspeed": (False, True, True),
+    "deepspeed_stage_2": (False, True, True),
+    "deepspeed_stage_2_offload": (False, True, True),
+    "deepspeed_stage_3": (True, True, True),
+    "deepspeed_stage_3_offload": (True, True, True),
 }
+MASTER_BYTES = 4  # DeepSpeed's fp32 master copy, per parameter, sharded
 
 CATEGORIES = ("params", "grads", "optimizer")
 
@@ -55,7 +66,9 @@ FOOTNOTE = (
     "of N and keeps the root's own parameters in one unit; fsdp_grad_op stores params "
     "sharded between steps and holds the whole copy only from forward to backward (the "
     "theory bar is that in-step figure); DDP's gradient buckets and activations are not "
-    "model state; fsdp_offload keeps the sharded state in CPU memory.")
+    "model state; fsdp_offload keeps the sharded state in CPU memory; DeepSpeed keeps an "
+    "fp32 master partition (4Ψ/N, with the optimizer) and frees whole gradients once "
+    "reduced, so its grads are the partition it steps on.")
 
 
 def known() -> list[str]:
@@ -101,6 +114,8 @@ def theoretical_bytes(strategy_name: str, n_params: int, world_size: int,
                                    or [1])
         if world_size % shards:
             raise ValueError(f"shard_size={shards} must divide world_size={world_size}.")
+    if name.startswith("deepspeed"):
+        full["optimizer"] += MASTER_BYTES * n_params
     return {cat: full[cat] / shards if sharded else float(full[cat])
             for cat, sharded in zip(CATEGORIES, _SHARDED[name], strict=True)}
 
