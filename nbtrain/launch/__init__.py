@@ -190,7 +190,8 @@ def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetr
     try:
         server = TelemetryServer(run._on_event, host=_HOST) if telemetry.enabled else None
         if server is not None:
-            cleanup.append(server.close)
+            ranks = set(range(plan.world_size))
+            cleanup.append(lambda: server.drain_and_close(ranks))
         pg_timeout = max(60.0, run.timeout) if run.timeout else 600.0
         threads = threads_per_worker(plan.world_size)
         if launcher.name == "fork":

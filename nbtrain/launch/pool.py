@@ -270,6 +270,17 @@ class RankPool:
                              f"within {INTERRUPT_GRACE_S:g}s (stuck in a collective?)")
             self._teardown("; ".join(parts))
 
+    def _settle(self, within: float = 5.0) -> None:
+        """A run whose ranks are done may still be closing its telemetry (an interrupted
+        launch raises as soon as the ranks stopped): the next launch waits for that
+        instead of calling the pool busy."""
+        op = self._op
+        if self._busy is None or op is None or not op.done.is_set():
+            return
+        deadline = time.monotonic() + within
+        while self._busy is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     def _wait(self, op: PoolOp) -> None:
         """Wait in the cell; an interrupt interrupts the ranks (and, if stuck, the pool)."""
         from ..cells import busy_while_blocking
@@ -429,6 +440,7 @@ class RankPool:
                              f"a pool with start_method={chosen.start_method!r}.")
         payload = serialize(fn, args, kwargs, chosen, "the pool's workers",
                             "or pass it as an argument")
+        self._settle()
         with self._lock:
             if self._busy is not None:
                 raise RuntimeError(f"the pool is busy ({self._busy}); wait for it to finish "
@@ -461,8 +473,7 @@ class RankPool:
         def after() -> None:
             try:
                 if server is not None:
-                    server.wait_closed(ranks, 2.0)
-                    server.close()
+                    server.drain_and_close(ranks)
                 self._finish(op)
                 if not self._handles:  # the error the run raises says what became of us
                     note = (f"The pool's workers were ended: {self._ended}. Its next use "

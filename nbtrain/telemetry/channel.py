@@ -69,6 +69,7 @@ class TelemetryServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._closed_ranks: set[int] = set()
+        self._last_data = time.monotonic()
         self._cond = threading.Condition()
         self._stop = False
         self.refused = 0
@@ -78,16 +79,27 @@ class TelemetryServer:
         self._thread.start()
 
     # -- kernel side API -------------------------------------------------------------
-    def wait_closed(self, ranks: set[int], timeout: float) -> bool:
-        """Wait until every rank in ``ranks`` closed its connection (all its events read)."""
+    def wait_closed(self, ranks: set[int], timeout: float, idle: float | None = None) -> bool:
+        """Wait until every rank in ``ranks`` closed its connection (all its events read),
+        at most ``timeout`` seconds, or ``idle`` seconds without a byte arriving (a rank
+        that never connected does not hold the run's end for the whole timeout)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while not ranks <= self._closed_ranks:
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                left = deadline - now
+                if idle is not None:
+                    left = min(left, self._last_data + idle - now)
                 if left <= 0:
                     return False
-                self._cond.wait(left)
+                self._cond.wait(min(left, 0.1))
         return True
+
+    def drain_and_close(self, ranks: set[int]) -> None:
+        """Read what the ranks sent before they ended, then close: a kernel slower than
+        its workers (a loaded machine) dropped the last events when it closed at once."""
+        self.wait_closed(ranks, timeout=30.0, idle=2.0)
+        self.close()
 
     def close(self) -> None:
         if self._stop:
@@ -146,6 +158,7 @@ class TelemetryServer:
         if not data:
             self._drop(conn)
             return
+        self._last_data = time.monotonic()
         conn.buf += data
         while True:
             if conn.skip:
