@@ -2,7 +2,8 @@
 
 DDP, ZeRO-1 (ZeroRedundancyOptimizer), SHARD_GRAD_OP (fsdp_grad_op), FULL_SHARD (fsdp)
 and, on CUDA, FULL_SHARD + CPU offload — each with and without activation
-checkpointing of the model's blocks. For every rung: the bytes rank 0 holds per category
+checkpointing of the model's blocks; DeepSpeed's stages 1-3 beside them where it is
+installed (``nbtrain[deepspeed]``). For every rung: the bytes rank 0 holds per category
 after an optimizer step (params, grads, optimizer state, measured from the tensors;
 activations saved for backward by one forward, from ``Telemetry(profile_memory=True)``)
 beside the ZeRO formula (``nbtrain.ui.theory``), and the median step time relative to
@@ -65,7 +66,11 @@ def train(ctx, steps: int, width: int, depth: int, batch: int):
 
 
 def rungs(cuda: bool) -> list[str]:
-    return ["ddp", "zero1", "fsdp_grad_op", "fsdp"] + (["fsdp_offload"] if cuda else [])
+    from nbtrain.strategies.deepspeed import available
+
+    deepspeed = ["deepspeed_stage_1", "deepspeed", "deepspeed_stage_3"] if available() else []
+    return (["ddp", "zero1", "fsdp_grad_op", "fsdp"] + (["fsdp_offload"] if cuda else [])
+            + deepspeed)
 
 
 def measure(name: str, checkpointing: bool, args, accelerator: str) -> dict:
@@ -93,7 +98,7 @@ def main() -> None:
     mb = 2 ** 20
     for accelerator in accelerators:
         print(f"\n{accelerator}, 2 ranks, rank 0; MB measured (formula)")
-        header = (f"{'strategy':<14}{'AC':<4}{'params':>16}{'grads':>16}{'optimizer':>16}"
+        header = (f"{'strategy':<19}{'AC':<4}{'params':>16}{'grads':>16}{'optimizer':>16}"
                   f"{'activations':>13}{'peak':>9}{'step vs ddp':>13}")
         if accelerator == "cuda":
             header += f"{'cuda_peak':>11}"
@@ -107,13 +112,15 @@ def main() -> None:
                 mem = m["memory"]
                 cells = "".join(f"{mem[c] / mb:>8.2f} ({theory[c] / mb:>5.2f})"
                                 for c in ("params", "grads", "optimizer"))
-                line = (f"{name:<14}{'on' if checkpointing else 'off':<4}{cells}"
+                line = (f"{name:<19}{'on' if checkpointing else 'off':<4}{cells}"
                         f"{mem['activations'] / mb:>13.2f}{mem['peak'] / mb:>9.2f}"
                         f"{m['step_s'] / base:>12.2f}x")
                 if accelerator == "cuda":
                     line += f"{mem.get('cuda_peak', 0) / mb:>11.2f}"
                 print(line, flush=True)
-        print(f"Ψ = {m['n']:,} parameters; Adam, fp32. Formula: 4Ψ/4Ψ/8Ψ, what is sharded / 2.")
+        print(f"Ψ = {m['n']:,} parameters; Adam, fp32. Formula: 4Ψ/4Ψ/8Ψ, what is sharded / 2"
+              + ("; DeepSpeed adds its fp32 master partition, 4Ψ/2, to the optimizer."
+                 if any(n.startswith("deepspeed") for n in rungs(False)) else "."))
 
 
 if __name__ == "__main__":

@@ -118,10 +118,15 @@ class Context:
         model = strategy.prepare_module(model)
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         on_meta = meta_init.on_meta(model)
-        if hasattr(strategy, "setup_engine"):  # DeepSpeed: model and optimizer together
-            return self._setup_engine(strategy, model, optimizers, on_meta)
         if on_meta:  # where each tensor's values come from, before sharding replaces it
             refs = meta_init.plan(model, self._init_recording)
+        if hasattr(strategy, "setup_engine"):  # DeepSpeed: model and optimizer together
+            if on_meta:  # whole, then DeepSpeed partitions it
+                meta_init.materialize(model, self.device, refs)
+                current = dict(model.named_parameters(remove_duplicate=False))
+                for opt in optimizers:
+                    _repoint(opt, names, current)
+            return self._setup_engine(strategy, model, optimizers)
         sharded = on_meta and _shards(strategy)
         if on_meta and not sharded:  # whole parameters: materialise before wrapping
             meta_init.materialize(model, self.device, refs)
@@ -144,11 +149,7 @@ class Context:
             self._model_of[id(opt)] = wrapped
         return (wrapped, *optimizers) if optimizers else wrapped
 
-    def _setup_engine(self, strategy, model, optimizers, on_meta):
-        if on_meta:
-            raise NotImplementedError(
-                f"ctx.init_module() is not supported under {strategy.name!r} yet: build the "
-                "model without it (stage 3 shards it at ctx.setup).")
+    def _setup_engine(self, strategy, model, optimizers):
         engine, optimizers = strategy.setup_engine(model, optimizers, self)
         self._engine = engine
         if self._recorder is not None:

@@ -64,6 +64,13 @@ def test_memory_by_category_is_deepspeeds_partitions(strategy, sharded):
     assert strategy in comparison.table() and "theory" in comparison.table().lower()
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "cnn"])
+def test_init_module_gives_plain_constructions_weights(kind, references):
+    run = nbtrain.launch(fit, kind, steps=3, meta=True, devices=2, accelerator="cpu",
+                         strategy="deepspeed_stage_3", dashboard=False)
+    check(run, references[kind], kind, "init_module under deepspeed_stage_3")
+
+
 def test_bf16_computes_under_autocast_with_fp32_weights(references):
     run = nbtrain.launch(fit, "gpt2", steps=3, devices=2, accelerator="cpu",
                          strategy="deepspeed_stage_3", mixed_precision="bf16", dashboard=False)

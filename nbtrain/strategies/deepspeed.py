@@ -17,8 +17,10 @@ own launcher uses and which costs a 100 s C++ build on first use, is turned off.
 
 Not yet: ``ctx.accumulate`` and ``ctx.no_backward_sync`` (DeepSpeed's own
 ``gradient_accumulation_steps`` in ``config=`` does it), ``ctx.clip_grad_norm_`` (its
-``gradient_clipping``), ``ctx.save``/``ctx.load``, ``ctx.init_module()``, fp16: each
-fails at the call with the way to get it.
+``gradient_clipping``), ``ctx.save``/``ctx.load``, fp16: each
+fails at the call with the way to get it. ``ctx.init_module()`` gives the values plain
+construction gives; the model is materialised whole on each rank before DeepSpeed
+partitions it (stage 3's ``zero.Init``, which never holds it whole, is not used yet).
 """
 
 from __future__ import annotations
