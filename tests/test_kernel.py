@@ -250,7 +250,7 @@ def test_the_kernel_stays_busy_while_a_launch_blocks(k, kernel_clean):
     """A widget frontend's control and subshell requests are answered busy-then-idle
     while the cell runs; the status must go back to busy for the running cell."""
     msg_id = k.submit("run = nbtrain.launch(stepping, devices=2, timeout=4, dashboard=False)")
-    time.sleep(1.5)  # the launch blocks now
+    k.collect(msg_id, timeout=60, until="stepped")  # the ranks train: the cell blocks
     request = k.kc.session.msg("kernel_info_request")
     k.kc.control_channel.send(request)
     statuses, deadline = [], time.monotonic() + 60

@@ -283,8 +283,6 @@ class RankPool:
 
     def _wait(self, op: PoolOp) -> None:
         """Wait in the cell; an interrupt interrupts the ranks (and, if stuck, the pool)."""
-        from ..cells import busy_while_blocking
-
         try:
             with busy_while_blocking():
                 while not op.done.wait(0.05):

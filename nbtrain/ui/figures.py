@@ -1,10 +1,9 @@
 """The dashboard's one figure, described as a list of traces and a layout built from a
 ``LiveState``.
 
-Both views draw from ``trace_specs(state)`` and ``layout_updates(state)``: the static
-view builds a new plotly figure from them; the live widget adds the traces it lacks and
-restyles, in one batched update, only those whose data changed (``TraceSpec.version``)
-and the layout keys whose value changed.
+Both views draw from ``figure_json(state)`` (``trace_specs`` and ``layout_updates`` as
+plotly.js takes them): the static view makes a plotly figure of it; the live chart
+(``livechart.py``) is sent it whole when it changed.
 
 Up to six panels — metrics by step, step time, samples/s, memory per rank stacked by
 category, communication per step by op, the CUDA allocator's figures — and only those
@@ -241,18 +240,6 @@ def _warmup_specs(state: LiveState) -> list[TraceSpec]:
     return specs
 
 
-def make_trace(spec: TraceSpec):
-    import plotly.graph_objects as go
-
-    n = AXES[spec.panel]
-    axes = {"xaxis": f"x{n if n > 1 else ''}", "yaxis": f"y{n if n > 1 else ''}"}
-    if spec.kind == "bar":
-        return go.Bar(**spec.props, **spec.data, **axes)
-    props = dict(spec.props)
-    props.setdefault("mode", "lines")
-    return go.Scatter(**props, **spec.data, **axes)
-
-
 def visible_panels(state: LiveState) -> list[str]:
     """The panels that have something to draw, in layout order. Before any data: the
     first row, so the figure is not an empty box while workers start."""
@@ -345,15 +332,8 @@ def base_layout(height: int | None = None) -> dict[str, Any]:
     return layout
 
 
-def empty_figure(height: int | None = None):
-    """``base_layout`` as a plotly figure with no traces."""
-    import plotly.graph_objects as go
-
-    return go.Figure(layout=base_layout(height))
-
-
 def trace_json(spec: TraceSpec) -> dict[str, Any]:
-    """A trace as plotly.js takes it (what ``make_trace`` builds, without plotly.py)."""
+    """A trace as plotly.js takes it (a plain dict; plotly.py is not needed)."""
     n = AXES[spec.panel]
     trace = {"type": "bar" if spec.kind == "bar" else "scatter",
              "xaxis": f"x{n if n > 1 else ''}", "yaxis": f"y{n if n > 1 else ''}",
@@ -406,10 +386,7 @@ def _set_path(target: dict, path: str, value: Any) -> None:
 
 def build_figure(state: LiveState, height: int | None = None):
     """A new static figure of ``state`` (what the static view shows and Run displays)."""
-    fig = empty_figure()
-    with state.lock:
-        specs = trace_specs(state)
-        layout = layout_updates(state, height)
-    fig.add_traces([make_trace(s) for s in specs])
-    fig.update_layout(layout)
-    return fig
+    import plotly.graph_objects as go
+
+    data, layout = figure_json(state, height)
+    return go.Figure(data=data, layout=layout)
