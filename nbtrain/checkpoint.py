@@ -75,7 +75,9 @@ def save(path: str | os.PathLike, state: Mapping[str, Any], *, full: bool = Fals
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         data = {}
         for key, kind, obj, model in entries:
-            if kind == "module":
+            if _engine(obj, model) is not None:  # DeepSpeed: whole on every rank already
+                data[key] = _state_dict(kind, obj, model)
+            elif kind == "module":
                 data[key] = get_model_state_dict(obj, options=options)
             elif kind == "optimizer":
                 data[key] = _full_optimizer_state(obj, model)
@@ -127,7 +129,15 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
         data = {key: _from_full(kind, obj, model, saved[key]) for key, kind, obj, model in entries}
     flat = StateDictOptions(strict=strict, flatten_optimizer_state_dict=True)
     for key, kind, obj, model in entries:
-        if kind == "module":
+        engine = _engine(obj, model)
+        if engine is not None:
+            from .strategies import deepspeed
+
+            if kind == "module":
+                deepspeed.load_model_state_dict(engine, data[key], strict=strict)
+            else:
+                deepspeed.load_optimizer_state_dict(engine, data[key])
+        elif kind == "module":
             set_model_state_dict(obj, data[key], options=flat)
         elif kind == "optimizer":
             set_optimizer_state_dict(model, _local(obj), data[key], options=flat)
@@ -169,7 +179,9 @@ def _move_into_place(tmp: str, path: str) -> None:
 
 
 def _is_optimizer(obj: Any) -> bool:
-    return isinstance(obj, torch.optim.Optimizer) or isinstance(
+    from .strategies.deepspeed import EngineOptimizer
+
+    return isinstance(obj, (torch.optim.Optimizer, EngineOptimizer)) or isinstance(
         getattr(obj, "optimizer", None), torch.optim.Optimizer)
 
 
@@ -204,6 +216,16 @@ def _entries(state: Mapping[str, Any], models: Mapping[int, nn.Module] | None):
     return entries
 
 
+def _engine(obj: Any, model: nn.Module | None):
+    """The DeepSpeed engine behind a state entry (the engine, or the optimizer
+    ``ctx.setup`` returned with it), else None."""
+    from .strategies.deepspeed import EngineOptimizer, is_engine
+
+    if isinstance(obj, EngineOptimizer):
+        return obj.engine
+    return obj if isinstance(obj, nn.Module) and is_engine(obj) else None
+
+
 def _state_dict(kind: str, obj: Any, model: nn.Module | None) -> Any:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -211,6 +233,13 @@ def _state_dict(kind: str, obj: Any, model: nn.Module | None) -> Any:
         get_optimizer_state_dict,
     )
 
+    engine = _engine(obj, model) if kind != "value" else None
+    if engine is not None:  # torch's keys, from DeepSpeed's partitions
+        from .strategies import deepspeed
+
+        if kind == "module":
+            return deepspeed.model_state_dict(engine)
+        return deepspeed.optimizer_state_dict(engine)
     if kind == "module":
         return get_model_state_dict(obj)
     if kind == "optimizer":

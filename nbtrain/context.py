@@ -158,11 +158,6 @@ class Context:
             self._model_of[id(opt)] = engine
         return (engine, *optimizers) if optimizers else engine
 
-    def _refuse_under_engine(self, what: str, instead: str) -> None:
-        if self._engine is not None:
-            raise NotImplementedError(f"{what} is not supported under {self.strategy.name!r} "
-                                      f"yet: {instead}")
-
     @contextlib.contextmanager
     def init_module(self):
         """Build the model inside this block for fast, low-memory initialisation.
@@ -201,13 +196,13 @@ class Context:
         """Within this block, backward accumulates gradients locally without
         synchronising them across ranks (DDP's ``no_sync``, FSDP's
         ``set_requires_gradient_sync(False)``). Put forward and backward inside it."""
-        self._refuse_under_engine(
-            "ctx.no_backward_sync", "give DeepSpeed's config={'gradient_accumulation_steps': "
-            "n}; it reduces gradients only on the n-th micro-step.")
         if not enabled:
             yield
             return
-        if isinstance(model, nn.parallel.DistributedDataParallel):
+        if self._engine is not None and model is self._engine:
+            with self.strategy.no_backward_sync(model):
+                yield
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
             with model.no_sync():
                 yield
         elif hasattr(model, "set_requires_gradient_sync"):
@@ -231,9 +226,6 @@ class Context:
                 if acc.ready:  # after every 4th micro-step
                     opt.step(); opt.zero_grad()
         """
-        self._refuse_under_engine(
-            "ctx.accumulate", "give DeepSpeed's config={'gradient_accumulation_steps': n} "
-            "and call ctx.backward and opt.step every micro-step (it steps every n-th).")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"ctx.accumulate(model, steps={steps!r}): give an int >= 1.")
         return Accumulator(self, model, steps)
@@ -246,11 +238,10 @@ class Context:
         DTensor shards are reduced across ranks). In fp16, pass the optimizer: its
         gradients are unscaled first.
         """
-        self._refuse_under_engine(
-            "ctx.clip_grad_norm_", "give DeepSpeed's config={'gradient_clipping': max_norm}; "
-            "it clips in opt.step().")
         if not isinstance(max_norm, (int, float)) or max_norm <= 0:
             raise ValueError(f"max_norm={max_norm!r} must be a positive number.")
+        if self._engine is not None:  # DeepSpeed scales, reduces and clips in its step
+            return self.strategy.clip_grad_norm_(model, max_norm, norm_type)
         if self._scaler is not None:
             if optimizer is None:
                 raise ValueError("fp16 gradients are scaled: call "
@@ -274,9 +265,6 @@ class Context:
         by rank 0. Either loads into any strategy and world size, and in the notebook
         with ``nbtrain.checkpoint.load``. Every rank must call it.
         """
-        self._refuse_under_engine(
-            "ctx.save", "save ctx.full_state_dict(model) from rank 0 (torch.save), which a "
-            "plain model loads.")
         from . import checkpoint
 
         checkpoint.save(path, state, full=full, models=self._model_of)
@@ -285,8 +273,6 @@ class Context:
              strict: bool = True) -> dict[str, Any]:
         """Load a checkpoint into ``state`` (models and optimizers in place, other values
         replaced) and return it. Every rank must call it."""
-        self._refuse_under_engine(
-            "ctx.load", "load a full state dict into the model before ctx.setup.")
         from . import checkpoint
 
         with self._recorder.paused() if self._recorder is not None else contextlib.nullcontext():

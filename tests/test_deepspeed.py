@@ -1,8 +1,9 @@
 """DeepSpeed ZeRO under Lightning's names, from nbtrain's ctx, on 2 CPU ranks over gloo:
 each stage (offload included, with a torch optimizer: nothing compiled) trains models
 built from configs to the weights one process gets; bf16 close to fp32; the user's own
-config merged over nbtrain's; what is not wired yet fails at the call with the way to
-get it; and in a real kernel, ten launches in a row leave no process and no file in
+config merged over nbtrain's; accumulation, clipping and checkpoints (to and from the
+other strategies and a plain model) as under fsdp; what DeepSpeed cannot do says why;
+and in a real kernel, ten launches in a row leave no process and no file in
 /dev/shm."""
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import os
 import pytest
 import torch
 from models import fit, reference
+from test_checkpoint import assert_same
 from test_models import check
-from workloads import param_count, train
+from workloads import Deep, ckpt_train, param_count, technique_single, technique_train, train
 
 import nbtrain
 from nbtrain.strategies import deepspeed as ds
@@ -110,22 +112,90 @@ def test_bad_options_fail_before_a_worker_starts(monkeypatch):
         nbtrain.strategies.get("deepspeed", offload_parameters=True)
     with pytest.raises(ValueError, match="use 'bf16'"):
         nbtrain.strategies.get("deepspeed", mixed_precision="fp16")
+    monkeypatch.setattr(ds, "installed_version", lambda: (0, 17, 0))
+    with pytest.raises(ValueError, match=r"needs DeepSpeed >= 0\.19\.8 .* has 0\.17\.0"):
+        nbtrain.launch(fit, "cnn", devices=2, accelerator="cpu", strategy="deepspeed",
+                       dashboard=False)
     monkeypatch.setattr(ds, "available", lambda: False)
     with pytest.raises(ValueError, match=r'pip install "nbtrain\[deepspeed\]"'):
         nbtrain.launch(fit, "cnn", devices=2, accelerator="cpu", strategy="deepspeed",
                        dashboard=False)
 
 
-def clipped(ctx):
+@pytest.mark.parametrize("strategy", STAGES)
+def test_accumulation_and_clipping_give_what_one_process_gives(strategy):
+    # ctx.accumulate: every micro-step but the last is off DeepSpeed's accumulation
+    # boundary; ctx.clip_grad_norm_ returns the whole model's norm before the step and
+    # DeepSpeed's step clips with it (0.05: active at every step)
+    single, clipped = technique_single(), technique_single(clip=0.05)
+    run = nbtrain.launch(technique_train, devices=2, accelerator="cpu", strategy=strategy,
+                         accumulate=2, dashboard=False)
+    assert_same(run.result["full"], single["full"], f"{strategy} + accumulation")
+    run = nbtrain.launch(technique_train, devices=2, accelerator="cpu", strategy=strategy,
+                         clip=0.05, dashboard=False)
+    assert min(clipped["norms"]) > 0.05
+    for result in run.results:
+        torch.testing.assert_close(result["norms"], clipped["norms"], rtol=1e-4, atol=1e-6)
+    assert_same(run.result["full"], clipped["full"], f"{strategy} + clipping", atol=1e-4)
+
+
+@pytest.mark.parametrize("first,then,full", [
+    ("deepspeed_stage_3", "ddp", False),
+    ("ddp", "deepspeed_stage_3", True),
+    ("deepspeed", "deepspeed_stage_3_offload", False),
+    ("deepspeed_stage_2_offload", "fsdp", True),
+    ("fsdp", "deepspeed_stage_1", False),
+])
+def test_a_checkpoint_goes_on_between_deepspeed_and_the_other_strategies(tmp_path, first,
+                                                                       then, full):
+    # torch's keys, read from and written to DeepSpeed's partitions: 4 steps under one
+    # strategy + 4 under the other = 8 steps in one process (Adam's moments came across)
+    path = tmp_path / ("ckpt.pt" if full else "ckpt")
+    nbtrain.launch(ckpt_train, path=str(path), save_every=4, stop_after=3, full=full,
+                   devices=2, accelerator="cpu", strategy=first, dashboard=False)
+    run = nbtrain.launch(ckpt_train, load_from=str(path), devices=2, accelerator="cpu",
+                         strategy=then, dashboard=False)
+    assert [r["first"] for r in run.results] == [4, 4]
+    assert_same(run.result["full"], technique_single()["full"], f"{first} -> {then}",
+                atol=1e-4)
+
+
+def test_a_checkpoint_saved_under_stage_3_loads_into_a_plain_model(tmp_path):
+    path = tmp_path / "ckpt"
+    run = nbtrain.launch(ckpt_train, path=str(path), save_every=8, devices=2,
+                         accelerator="cpu", strategy="deepspeed_stage_3", dashboard=False)
+    model = Deep()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    state = nbtrain.checkpoint.load(path, {"model": model, "optimizer": opt, "step": -1})
+    assert state["step"] == 7
+    assert_same(model.state_dict(), run.result["full"], "stage 3 checkpoint in a plain model")
+    assert len(opt.state) == len(list(model.parameters()))  # Adam's moments too
+
+
+def misused(ctx, what):
     model = torch.nn.Linear(4, 4)
     model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    ctx.backward(model(torch.randn(2, 4)).sum())
-    ctx.clip_grad_norm_(model, 1.0)
+    if what == "clip inside":
+        with ctx.no_backward_sync(model):
+            ctx.backward(model(torch.randn(2, 4)).sum())
+            ctx.clip_grad_norm_(model, 1.0)
+    elif what == "norm_type":
+        ctx.backward(model(torch.randn(2, 4)).sum())
+        ctx.clip_grad_norm_(model, 1.0, norm_type=1.0)
+    else:
+        with ctx.accumulate(model, 2):
+            pass
 
 
-def test_what_is_not_wired_yet_says_what_to_do():
-    with pytest.raises(nbtrain.WorkerError, match="gradient_clipping"):
-        nbtrain.launch(clipped, devices=2, accelerator="cpu", strategy="deepspeed",
+@pytest.mark.parametrize("what,options,message", [
+    ("clip inside", {}, "not reduced yet"),
+    ("norm_type", {}, "2-norm only"),
+    ("accumulate", {"config": {"gradient_accumulation_steps": 2}}, "not both"),
+])
+def test_what_deepspeed_cannot_do_says_why(what, options, message):
+    strategy = nbtrain.strategies.get("deepspeed", **options)
+    with pytest.raises(nbtrain.WorkerError, match=message):
+        nbtrain.launch(misused, what, devices=2, accelerator="cpu", strategy=strategy,
                        dashboard=False)
 
 

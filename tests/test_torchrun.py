@@ -4,6 +4,7 @@ model matches a 2-rank ``launch()`` from the kernel."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import signal
@@ -78,10 +79,17 @@ def check_agents(agents) -> None:
     assert codes == [0, 0], f"agents exited with {codes}: {[a.stderr[-3000:] for a in agents]}"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [
+    "ddp", "fsdp",
+    pytest.param("deepspeed_stage_3", marks=pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None, reason="needs nbtrain[deepspeed]")),
+])
 def test_two_torchrun_nodes_train_what_launch_trains(strategy, tmp_path):
+    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     agents = run_agents([str(JOB), strategy, str(tmp_path)], job_env())
     check_agents(agents)
+    left = (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) - shm
+    assert not left, f"the job left files in /dev/shm: {sorted(left)}"
     # rank 0 got the Run, rank 1 None
     assert (tmp_path / "rank0.txt").read_text() == "Run"
     assert (tmp_path / "rank1.txt").read_text() == "NoneType"

@@ -15,16 +15,22 @@ under ``torch.autocast`` with fp32 weights, as nbtrain's other strategies do
 (DeepSpeed's ``torch_autocast``). DeepSpeed's shared-memory all-reduce op, which only its
 own launcher uses and which costs a 100 s C++ build on first use, is turned off.
 
-Not yet: ``ctx.accumulate`` and ``ctx.no_backward_sync`` (DeepSpeed's own
-``gradient_accumulation_steps`` in ``config=`` does it), ``ctx.clip_grad_norm_`` (its
-``gradient_clipping``), ``ctx.save``/``ctx.load``, fp16: each
-fails at the call with the way to get it. ``ctx.init_module()`` gives the values plain
-construction gives; the model is materialised whole on each rank before DeepSpeed
-partitions it (stage 3's ``zero.Init``, which never holds it whole, is not used yet).
+``ctx.accumulate`` and ``ctx.no_backward_sync`` move DeepSpeed's gradient-accumulation
+boundary (stage 1 reduces once, at the last micro-step; stages 2 and 3 reduce-scatter
+every backward, keeping only their partition). ``ctx.clip_grad_norm_`` returns the norm
+of the whole model's reduced gradients, read from DeepSpeed's partitions, and DeepSpeed's
+step clips with it. ``ctx.save``/``ctx.load`` write and read torch's keys (those of a
+DDP/FSDP model and its optimizer), gathered from and scattered to DeepSpeed's
+partitions one parameter at a time, so checkpoints move between DeepSpeed, the other
+strategies and a plain model. fp16 is refused at setup (its loss scaling is not wired;
+bf16 is). ``ctx.init_module()`` gives the values plain construction gives; the model is
+materialised whole on each rank before DeepSpeed partitions it (stage 3's ``zero.Init``,
+which never holds it whole, is not used yet).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -51,8 +57,20 @@ _ENGINES: weakref.WeakSet = weakref.WeakSet()
 BUCKET = int(2e8)  # Lightning's reduce and all-gather bucket sizes
 
 
+MINIMUM = (0, 19, 8)  # pyproject's extra; tested with it
+
+
 def available() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
+
+
+def installed_version() -> tuple[int, ...]:
+    """The installed DeepSpeed's release, as numbers (``(0, 19, 8)``)."""
+    import importlib.metadata
+    import re
+
+    version = importlib.metadata.version("deepspeed")
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
 def merge(base: dict, over: dict) -> dict:
@@ -121,6 +139,12 @@ class DeepSpeed(Strategy):
             raise ValueError(f"strategy {self.name or 'deepspeed'!r} needs DeepSpeed, which "
                              f"is not installed: {INSTALL} (a pure-Python wheel; no compiler "
                              "needed for ZeRO stages 1-3).")
+        found = installed_version()
+        if found < MINIMUM:
+            raise ValueError(f"strategy {self.name or 'deepspeed'!r} needs DeepSpeed >= "
+                             f"{'.'.join(map(str, MINIMUM))} (the version nbtrain is tested "
+                             f"with); this environment has {'.'.join(map(str, found))}: "
+                             f"pip install -U {INSTALL.split(' ', 2)[2]}")
         if self.sync_batchnorm:
             raise ValueError("sync_batchnorm=True is not supported under DeepSpeed here.")
 
@@ -169,6 +193,48 @@ class DeepSpeed(Strategy):
         _ENGINES.add(engine)
         return engine, ((EngineOptimizer(engine, optimizer),) if optimizers else ())
 
+    @contextlib.contextmanager
+    def no_backward_sync(self, engine):
+        """Backward inside accumulates gradients; the reduction waits for the first
+        backward after the block (DeepSpeed's gradient-accumulation boundary). Stage 1
+        keeps whole local gradients until then; stages 2 and 3 reduce-scatter every
+        backward (a rank keeps only its partition) and add up the partitions."""
+        if engine.gradient_accumulation_steps() > 1:
+            raise ValueError(
+                f"your DeepSpeed config sets gradient_accumulation_steps="
+                f"{engine.gradient_accumulation_steps()}: DeepSpeed then accumulates by "
+                "itself (every backward divided by it, a step every n-th opt.step()). Use "
+                "that or ctx.accumulate / ctx.no_backward_sync, not both.")
+        engine.set_gradient_accumulation_boundary(False)
+        try:
+            yield
+        finally:
+            engine.set_gradient_accumulation_boundary(True)
+
+    def clip_grad_norm_(self, engine, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The 2-norm of the whole model's (reduced, unscaled) gradients, from
+        DeepSpeed's partitions; the coming ``opt.step()`` clips them to ``max_norm``
+        (DeepSpeed clips inside its step, with the same norm and the same factor as
+        ``torch.nn.utils.clip_grad_norm_``)."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"norm_type={norm_type!r}: DeepSpeed clips by the 2-norm only.")
+        opt = engine.optimizer
+        if not engine.is_gradient_accumulation_boundary():
+            raise RuntimeError("ctx.clip_grad_norm_ inside ctx.no_backward_sync: the "
+                               "gradients are not reduced yet; clip after the last "
+                               "micro-step's backward.")
+        if engine.zero_optimization_stage() == 3:  # per group; DeepSpeed marks inf/NaN -1
+            groups = torch.stack([torch.as_tensor(n, dtype=torch.float32).reshape(())
+                                  for n in opt._get_norm_groups()])
+            scaled = torch.linalg.vector_norm(groups)
+            if not bool(torch.isfinite(groups).all() and (groups >= 0).all()):
+                scaled = torch.full_like(scaled, float("inf"))
+        else:
+            scaled = opt.scaled_global_norm()
+        opt.clip_grad = float(max_norm)  # for this step; EngineOptimizer.step restores it
+        scale = getattr(opt, "loss_scale", 1.0)
+        return (scaled / scale).detach().float().reshape(())
+
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         import torch.distributed as dist
 
@@ -207,7 +273,11 @@ class EngineOptimizer:
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("DeepSpeed's step takes no closure.")
-        self.engine.step()
+        try:
+            self.engine.step()
+        finally:  # a ctx.clip_grad_norm_ clips this step only
+            if hasattr(self.optimizer, "clip_grad"):
+                self.optimizer.clip_grad = self.engine.gradient_clipping()
 
     def zero_grad(self, set_to_none: bool = True):
         self.engine.zero_grad()
@@ -263,6 +333,186 @@ def memory_tensors(engine) -> dict[str, list[torch.Tensor]]:
     state = [v for per_param in getattr(inner, "state", {}).values()
              for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     return {"params": params, "grads": grads, "optimizer": masters + state}
+
+
+# -- checkpoints: torch's state dicts, read from and written to DeepSpeed's partitions --
+# The same keys torch's distributed-checkpoint helpers give a DDP or FSDP model and its
+# optimizer (parameter names; optimizer state flattened to ``state.<name>.<key>`` and
+# ``param_groups.<name>.<option>``), so a checkpoint moves between DeepSpeed, the other
+# strategies and a plain model. Each call is a collective: every rank gathers the whole
+# tensors, one parameter at a time, with DeepSpeed's ``safe_get_full_*`` functions.
+def _by_param(engine) -> dict[int, tuple[int, list[torch.Tensor]]]:
+    """``id(param)`` -> (its optimizer param group, the flat fp32 partitions that hold
+    it: the tensors DeepSpeed's torch optimizer keeps its state for)."""
+    opt = engine.optimizer
+    if engine.zero_optimization_stage() == 3:
+        return {id(p): (opt.sub_group_to_group_id[sub], [opt.fp32_partitioned_groups_flat[sub]])
+                for sub, group in enumerate(opt.fp16_groups) for p in group}
+    return {id(p): (i, [opt.single_partition_of_fp32_groups[i]])
+            for i, group in enumerate(opt.bit16_groups) for p in group}
+
+
+def model_state_dict(engine) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on every rank, on the CPU: each trained parameter's
+    fp32 master copy, frozen ones and buffers as they are."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    stage3 = engine.zero_optimization_stage() == 3
+    owned = _by_param(engine)
+    out, seen = {}, {}
+    for name, value in engine.module.state_dict(keep_vars=True).items():
+        if id(value) in seen:  # a tied weight: once
+            out[name] = seen[id(value)]
+            continue
+        if isinstance(value, nn.Parameter) and id(value) in owned:
+            full = safe_get_full_fp32_param(value)
+        elif isinstance(value, nn.Parameter) and stage3:  # frozen, still partitioned
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([value]):
+                full = value.detach().clone()
+        else:
+            full = value.detach() if isinstance(value, torch.Tensor) else value
+        if isinstance(full, torch.Tensor):
+            full = full.to("cpu", copy=True)
+        out[name] = seen[id(value)] = full
+    return out
+
+
+def load_model_state_dict(engine, state: dict[str, Any], strict: bool = True) -> None:
+    """Every rank copies its part of ``state`` into the master copies and the
+    partitions of the parameters, and the buffers whole."""
+    import deepspeed
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    stage3 = engine.zero_optimization_stage() == 3
+    owned = _by_param(engine)
+    current = engine.module.state_dict(keep_vars=True)
+    if strict:
+        missing = sorted(set(current) - set(state))
+        unexpected = sorted(set(state) - set(current))
+        if missing or unexpected:
+            raise KeyError(f"the checkpoint's model does not match: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]} (strict=False loads what matches).")
+    done = set()
+    with torch.no_grad():
+        for name, target in current.items():
+            if name not in state or id(target) in done:
+                continue
+            done.add(id(target))
+            value = state[name]
+            if not isinstance(target, torch.Tensor):
+                continue
+            if isinstance(target, nn.Parameter) and id(target) in owned:
+                safe_set_full_fp32_param(target, value.to(torch.float32).to(
+                    owned[id(target)][1][0].device))
+            if isinstance(target, nn.Parameter) and stage3:
+                with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
+                    target.data.copy_(value.reshape(target.shape))
+            else:
+                target.data.copy_(value.reshape(target.shape))
+
+
+def _init_optimizer_state(engine) -> None:
+    """Give DeepSpeed's torch optimizer its state for every flat partition that has
+    none yet (before the first step; as torch's ``set_optimizer_state_dict`` does): a
+    step with zero gradients and a learning rate of 0, which changes no weight."""
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    empty: dict[int, list[torch.Tensor]] = {}  # param group -> its partitions lacking state
+    for group, flats in _by_param(engine).values():
+        for flat in flats:
+            if not inner.state.get(flat) and all(f is not flat for f in empty.get(group, [])):
+                empty.setdefault(group, []).append(flat)
+    if empty:
+        saved = [(group["params"], group["lr"]) for group in inner.param_groups]
+        grads = {id(f): f.grad for flats in empty.values() for f in flats}  # offload's buffers
+        for i, group in enumerate(inner.param_groups):
+            # DeepSpeed's stage 3 puts a partition in its group only while stepping it
+            group["params"] = empty.get(i, [])
+            group["lr"] = 0.0 if not isinstance(group["lr"], torch.Tensor) else group["lr"] * 0
+            for flat in group["params"]:
+                flat.grad = torch.zeros_like(flat)
+        try:
+            inner.step()
+        finally:
+            for group, (params, lr) in zip(inner.param_groups, saved, strict=True):
+                for flat in group["params"]:
+                    flat.grad = grads[id(flat)]
+                group["params"], group["lr"] = params, lr
+    link = getattr(opt, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:  # stages 1 and 2 map each parameter into the state lazily
+        link()
+
+
+def optimizer_state_dict(engine) -> dict[str, Any]:
+    """The optimizer's state, whole, on every rank, keyed as torch's
+    ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` keys it."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    owned = _by_param(engine)
+    _init_optimizer_state(engine)  # as torch's get_optimizer_state_dict does
+    out: dict[str, Any] = {}
+    for name, param in engine.module.named_parameters():
+        if id(param) not in owned:
+            continue
+        group, flats = owned[id(param)]
+        state = inner.state.get(flats[0], {})
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                full = safe_get_full_optimizer_state(param, key)
+                out[f"state.{name}.{key}"] = full.to("cpu", copy=True)
+            else:  # the step count, the same for the whole partition
+                out[f"state.{name}.{key}"] = (value.detach().to("cpu", copy=True)
+                                              if isinstance(value, torch.Tensor) else value)
+        for key, value in inner.param_groups[group].items():
+            if key != "params":
+                out[f"param_groups.{name}.{key}"] = value
+    return out
+
+
+def load_optimizer_state_dict(engine, state: dict[str, Any]) -> None:
+    from deepspeed.utils import safe_set_full_optimizer_state
+
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    _init_optimizer_state(engine)
+    owned = _by_param(engine)
+    params = [(name, p) for name, p in engine.module.named_parameters() if id(p) in owned]
+    # a tensor state the optimizer lacks so far (SGD's momentum before its first step):
+    # made beside the partition it belongs to, then mapped to the parameters
+    added = False
+    for name, param in params:
+        prefix = f"state.{name}."
+        for key in (k[len(prefix):] for k, v in state.items() if k.startswith(prefix)
+                    and isinstance(v, torch.Tensor) and v.dim() > 0):
+            for flat in owned[id(param)][1]:
+                if key not in inner.state[flat]:
+                    inner.state[flat][key] = torch.zeros_like(flat)
+                    added = True
+    if added and hasattr(opt, "_hp_optimizer_states_linked"):
+        opt._hp_optimizer_states_linked = False
+        _init_optimizer_state(engine)
+    with torch.no_grad():
+        for name, param in params:
+            group, flats = owned[id(param)]
+            prefix = f"state.{name}."
+            for key, value in ((k[len(prefix):], v) for k, v in state.items()
+                               if k.startswith(prefix)):
+                current = inner.state[flats[0]].get(key)
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    safe_set_full_optimizer_state(param, value.to(current.device, current.dtype),
+                                                  key)
+                else:  # the step count, one for the whole partition
+                    for flat in flats:
+                        old = inner.state[flat].get(key)
+                        inner.state[flat][key] = (value.to(old.device, old.dtype).clone()
+                                                  if isinstance(old, torch.Tensor) else value)
+            prefix = f"param_groups.{name}."
+            for key, value in state.items():
+                if key.startswith(prefix):
+                    inner.param_groups[group][key[len(prefix):]] = value
 
 
 def import_deepspeed(device_type: str):
