@@ -172,6 +172,16 @@ def test_a_checkpoint_saved_under_stage_3_loads_into_a_plain_model(tmp_path):
     assert len(opt.state) == len(list(model.parameters()))  # Adam's moments too
 
 
+def test_a_native_op_without_a_compiler_says_what_to_do(monkeypatch):
+    # a config that makes DeepSpeed build its CPU Adam fails at once, not deep in the build
+    ds.import_deepspeed("cpu")
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(RuntimeError, match=r"native op 'cpu_adam'.*no C\+\+ compiler"):
+        CPUAdamBuilder().load()
+
+
 def misused(ctx, what):
     model = torch.nn.Linear(4, 4)
     model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))

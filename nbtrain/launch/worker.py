@@ -212,6 +212,7 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
             telemetry.send(Lifecycle(rank=spec.rank, step=0, t=time.monotonic(),
                                      state="started"))
         seed_all(rank_seed(spec.seed, spec.rank))  # the same rule after fork and spawn
+        strategy.start_rank(ctx.device)
         from .guests import activity_message, hosted
 
         with hosted(fn, ctx, observe_steps=isinstance(fn, CallWithoutCtx)) as activity:

@@ -57,6 +57,9 @@ class Strategy:
         ``accelerator`` (never anything that initialises CUDA there)."""
         return self.warm_imports
 
+    def start_rank(self, device: torch.device) -> None:
+        """In each rank, before the training function runs (after its process group)."""
+
     def __post_init__(self) -> None:
         if self.mixed_precision not in PRECISIONS:
             raise ValueError(f"mixed_precision={self.mixed_precision!r} is not one of "

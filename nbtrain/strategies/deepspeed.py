@@ -133,6 +133,12 @@ class DeepSpeed(Strategy):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         return ("deepspeed",)
 
+    def start_rank(self, device: torch.device) -> None:
+        # before the function runs: an optimizer it builds before ctx.setup (DeepSpeed's
+        # CPU Adam) compiles with the note, and without the shared-memory op
+        if available():
+            import_deepspeed(device.type)
+
     def check(self, plan: DevicePlan) -> None:
         super().check(plan)
         if not available():
@@ -533,11 +539,51 @@ def import_deepspeed(device_type: str):
         warnings.simplefilter("ignore")
         import deepspeed
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    _say_when_building()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # torch 2.13 deprecates the collectives DeepSpeed calls; one warning per call and rank
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
                             category=FutureWarning)
     return deepspeed
+
+
+def _say_when_building() -> None:
+    """A config that needs one of DeepSpeed's native ops (its CPU Adam, say) compiles it
+    on first use: minutes with no output. Say so before, and how long it took after;
+    with no C++ compiler, fail at once with what to do instead of deep in the build."""
+    import shutil
+    import time
+
+    from deepspeed.ops.op_builder import builder
+
+    original = builder.OpBuilder.jit_load
+    if getattr(original, "nbtrain", False):
+        return
+
+    def jit_load(self, verbose=True):
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            raise RuntimeError(
+                f"this DeepSpeed config needs DeepSpeed's native op {self.name!r}, which "
+                f"it compiles on first use, and there is no C++ compiler ({compiler!r}) "
+                "on PATH. Install one (apt install g++, or conda install gxx) and ninja, "
+                "or keep a torch optimizer (nbtrain's default; nothing is compiled).")
+        from torch.utils.cpp_extension import get_default_build_root
+
+        built = Path(get_default_build_root()).glob(f"*/{self.name}/{self.name}.so")
+        first = os.environ.get("LOCAL_RANK", "0") == "0" and next(built, None) is None
+        if first:
+            print(f"DeepSpeed is compiling its native op {self.name!r} (minutes the first "
+                  "time; cached in torch's extensions directory after)...", flush=True)
+        start = time.monotonic()
+        module = original(self, verbose=verbose)
+        if first:
+            print(f"DeepSpeed's {self.name!r} op ready after {time.monotonic() - start:.0f} s.",
+                  flush=True)
+        return module
+
+    jit_load.nbtrain = True
+    builder.OpBuilder.jit_load = jit_load
 
 
 def release() -> None:
