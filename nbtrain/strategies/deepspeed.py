@@ -119,10 +119,13 @@ class DeepSpeed(Strategy):
             raise TypeError(f"DeepSpeed config= takes a dict or a JSON file's path; got "
                             f"{type(self.config).__name__}.")
         if self.mixed_precision == "fp16":
-            raise ValueError("mixed_precision='fp16' is not wired to DeepSpeed's loss scaler "
-                             "yet: use 'bf16', or give DeepSpeed's own "
-                             "config={'fp16': {'enabled': True}} (your inputs must then be "
-                             "fp16 too).")
+            raise ValueError(
+                "mixed_precision='fp16' is refused under DeepSpeed: with fp32 weights under "
+                "autocast (nbtrain's fp16, as under ddp and fsdp) DeepSpeed 0.19.8's ZeRO "
+                "skips every step once the first overflows (its overflow check returns "
+                "before the loss scaler lowers its scale; measured: the weights never "
+                "move). Use 'bf16', or DeepSpeed's own config={'fp16': {'enabled': True}} "
+                "(fp16 weights: your inputs must then be fp16 too).")
 
     def warm_imports_for(self, accelerator: str) -> tuple[str, ...]:
         # On CPU the kernel imports DeepSpeed once (its CPU accelerator, chosen by name:
