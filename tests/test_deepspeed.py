@@ -245,7 +245,7 @@ def test_ten_launches_in_a_kernel_leave_nothing(kernel_clean):
     assert not left, f"files left in /dev/shm: {sorted(left)}"
 
 
-def test_a_pool_runs_deepspeed_again_and_again_without_growing():
+def test_a_pool_runs_deepspeed_again_and_again_without_growing(tmp_path):
     # every run makes DeepSpeed's own process group; a warm worker must not keep them
     import psutil
 
@@ -260,3 +260,11 @@ def test_a_pool_runs_deepspeed_again_and_again_without_growing():
             # DeepSpeed's engine, optimizer and parameters are gone after each run
             assert [row["tensor_bytes"] for row in status] == before, (strategy, status)
         assert all(t == threads[0] for t in threads), threads  # no group's threads stay
+        # a checkpoint saved and resumed from keeps nothing either
+        path = str(tmp_path / "ckpt")
+        run = pool.launch(fit, "gpt2", steps=2, strategy="deepspeed_stage_3", save=path,
+                          save_at=1, dashboard=False)
+        run = pool.launch(fit, "gpt2", steps=3, strategy="deepspeed_stage_3", resume=path,
+                          dashboard=False)
+        assert run.status == "done" and len(run.result["losses"]) == 1
+        assert [row["tensor_bytes"] for row in pool.status] == before
