@@ -198,6 +198,14 @@ def test_a_native_op_without_a_compiler_says_what_to_do(monkeypatch):
         CPUAdamBuilder().load()
 
 
+def test_a_mixture_of_experts_under_stage_3_says_to_use_fsdp():
+    # each rank's router picks other experts: stage 3 stops at the second forward
+    with pytest.raises(nbtrain.WorkerError, match=r"ran other modules than rank 0(.|\n)*"
+                       r"Use strategy='fsdp'"):
+        nbtrain.launch(fit, "moe", steps=3, devices=2, accelerator="cpu",
+                       strategy="deepspeed_stage_3", dashboard=False)
+
+
 def misused(ctx, what):
     model = torch.nn.Linear(4, 4)
     model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))

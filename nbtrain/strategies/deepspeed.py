@@ -200,6 +200,8 @@ class DeepSpeed(Strategy):
             model_parameters=None if optimizers else list(module.parameters()),
             config=self.ds_config(ctx))
         _ENGINES.add(engine)
+        if self.stage == 3:
+            _explain_module_order(engine)
         return engine, ((EngineOptimizer(engine, optimizer),) if optimizers else ())
 
     @contextlib.contextmanager
@@ -268,6 +270,33 @@ class DeepSpeed(Strategy):
         if self.mixed_precision:
             extras.append(f"mixed_precision={self.mixed_precision}")
         return self.name + f" ({', '.join(extras)})"
+
+
+STAGE3_ORDER = (
+    "nbtrain: DeepSpeed's stage 3 found that this rank ran other modules than rank 0 (a "
+    "mixture of experts whose router sent no token to an expert here, or a branch one "
+    "rank took alone). Stage 3 gathers parameters in the order the first step ran the "
+    "modules and needs every rank to run the same ones. Use strategy='fsdp' (nbtrain "
+    "gives the parameters a rank left unused zero gradients there and steps them as one "
+    "process does); 'deepspeed' and 'deepspeed_stage_1' run such a model but step those "
+    "parameters with zero gradients (one process skips them).")
+
+
+def _explain_module_order(engine) -> None:
+    """Add ``STAGE3_ORDER`` to DeepSpeed's "disagreement on list contents" error, raised
+    in a forward when the ranks ran different modules. Through a weak reference: the
+    engine holds this wrapper, and its release must not wait for the cycle collector."""
+    forward, ref = type(engine).forward, weakref.ref(engine)
+
+    def forward_explained(*args, **kwargs):
+        try:
+            return forward(ref(), *args, **kwargs)
+        except RuntimeError as err:
+            if "disagreement on list contents" in str(err):
+                err.add_note(STAGE3_ORDER)
+            raise
+
+    engine.forward = forward_explained
 
 
 class EngineOptimizer:
