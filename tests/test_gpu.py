@@ -326,3 +326,29 @@ def test_deepspeed_trains_on_cuda_as_one_process(strategy):
     for rank in range(n):
         expected = [per_rank[rank] for per_rank in ref["losses"]]
         assert run.results[rank]["losses"] == pytest.approx(expected, rel=1e-3)
+
+
+def test_deepspeed_accumulates_clips_and_checkpoints_on_cuda(tmp_path):
+    """ctx.accumulate, ctx.clip_grad_norm_ and a stage-3 checkpoint resumed under ddp,
+    on NCCL, against the same training in one CPU process."""
+    pytest.importorskip("deepspeed")
+    from workloads import ckpt_train, technique_single, technique_train
+
+    n = _ranks()
+    want = technique_single(clip=0.05, world_size=n)
+    run = nbtrain.launch(technique_train, devices=n, accelerator="cuda",
+                         strategy="deepspeed_stage_3", accumulate=2, clip=0.05,
+                         dashboard=False)
+    for result in run.results:
+        torch.testing.assert_close(result["norms"], want["norms"], rtol=1e-3, atol=1e-5)
+    for name, value in want["full"].items():
+        torch.testing.assert_close(run.result["full"][name], value, rtol=1e-3, atol=1e-4)
+    path = tmp_path / "ckpt"
+    nbtrain.launch(ckpt_train, path=str(path), save_every=4, stop_after=3, devices=n,
+                   accelerator="cuda", strategy="deepspeed_stage_3", dashboard=False)
+    resumed = nbtrain.launch(ckpt_train, load_from=str(path), devices=n,
+                             accelerator="cuda", strategy="ddp", dashboard=False)
+    whole = nbtrain.launch(ckpt_train, devices=n, accelerator="cuda", strategy="ddp",
+                           dashboard=False)
+    for name, value in whole.result["full"].items():
+        torch.testing.assert_close(resumed.result["full"][name], value, rtol=1e-3, atol=1e-4)

@@ -203,6 +203,7 @@ def technique_train(ctx, accumulate=1, clip=None, init_meta=False, lr=1e-2, batc
         for i in range(accumulate):
             with acc:
                 xb, yb = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
+                xb, yb = xb.to(ctx.device), yb.to(ctx.device)
                 loss = nn.functional.cross_entropy(model(xb), yb) / accumulate
                 ctx.backward(loss)
         if clip is not None:
@@ -370,7 +371,7 @@ def ckpt_train(ctx, path=None, load_from=None, steps=8, save_every=0, stop_after
     ctx.step = first
     batches = list(_batches(ctx.world_size, global_batch // ctx.world_size, ctx.rank))
     for step in range(first, steps):
-        x, y = batches[step % len(batches)]
+        x, y = (t.to(ctx.device) for t in batches[step % len(batches)])
         loss = nn.functional.cross_entropy(model(x), y)
         ctx.backward(loss)
         opt.step()
