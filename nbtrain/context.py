@@ -236,12 +236,13 @@ class Context:
 
         The norm is of the whole model's gradients even when they are sharded (FSDP's
         DTensor shards are reduced across ranks). In fp16, pass the optimizer: its
-        gradients are unscaled first.
+        gradients are unscaled first. Under DeepSpeed the norm is read from its
+        partitions and the coming ``opt.step()`` clips (DeepSpeed clips inside its step).
         """
         if not isinstance(max_norm, (int, float)) or max_norm <= 0:
             raise ValueError(f"max_norm={max_norm!r} must be a positive number.")
         if self._engine is not None:  # DeepSpeed scales, reduces and clips in its step
-            return self.strategy.clip_grad_norm_(model, max_norm, norm_type)
+            return self.strategy.clip_grad_norm_(self._engine, max_norm, norm_type)
         if self._scaler is not None:
             if optimizer is None:
                 raise ValueError("fp16 gradients are scaled: call "
