@@ -181,8 +181,8 @@ def value(kernel: Kernel, expr: str, timeout: float = 300, before: str = ""):
     return json.loads(reply.stdout.strip().splitlines()[-1])
 
 
-def measure(kernel: Kernel, fail: bool) -> float:
-    return value(kernel, f"measure({fail})")
+def measure(kernel: Kernel, fail: bool, timeout: float) -> float:
+    return value(kernel, f"measure({fail})", timeout=timeout)
 
 
 def main() -> None:
@@ -191,6 +191,8 @@ def main() -> None:
     parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--devices", type=int, default=None,
                         help="ranks (default: 2 on CPU, up to 2 GPUs on cuda)")
+    parser.add_argument("--timeout", type=float, default=120,
+                        help="seconds a launch may take before it counts as hung")
     args = parser.parse_args()
     if args.accelerator == "cuda" and not torch.cuda.device_count():  # NVML: no CUDA init
         parser.error("--accelerator cuda: this machine shows no GPU")
@@ -198,6 +200,20 @@ def main() -> None:
     where = f"ACC = {args.accelerator!r}; DEVICES = {n}; FAIL_RANK = {n - 1}\n"
     codes = {name: where + code for name, code in contenders().items()}
     kernels = {name: Kernel(startup=textwrap.dedent(COMMON)) for name in codes}
+    hung: dict[str, str] = {}  # another library's launch that never returned: which one
+
+    def timed(name: str, fail: bool) -> float | None:
+        if name in hung:
+            return None
+        try:
+            return measure(kernels[name], fail, args.timeout)
+        except TimeoutError:
+            if name.startswith("nbtrain"):
+                raise  # ours must never hang
+            hung[name] = "call->error" if fail else "call->step"
+            kernels[name].shutdown()  # the kernel's process group: its ranks too
+            return None
+
     try:
         first, times = {}, {name: {"step": [], "error": []} for name in codes}
         imported = {}
@@ -207,16 +223,20 @@ def main() -> None:
             reply = kernel.run(codes[name])
             if reply.error:
                 raise RuntimeError(f"{name}: {reply.error['evalue']}")
-        for name, kernel in kernels.items():
-            first[name] = measure(kernel, False)
+        for name in kernels:
+            first[name] = timed(name, False)
         for _ in range(args.repeats):
-            for name, kernel in kernels.items():
-                times[name]["step"].append(measure(kernel, False))
-                times[name]["error"].append(measure(kernel, True))
+            for name in kernels:
+                for kind, fail in (("step", False), ("error", True)):
+                    seconds = timed(name, fail)
+                    if seconds is not None:
+                        times[name][kind].append(seconds)
     finally:
-        for kernel in kernels.values():
-            kernel.shutdown()
-    med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+        for name, kernel in kernels.items():
+            if name not in hung:
+                kernel.shutdown()
+    med = {name: {k: statistics.median(v) for k, v in t.items()}
+           for name, t in times.items() if name not in hung}
     base = BASE if BASE in med else "nbtrain fork"
     ranks = (f"{n} ranks on CPU (gloo)" if args.accelerator == "cpu" else
              f"{n} x {torch.cuda.get_device_name(0)} (NCCL)")
@@ -225,8 +245,12 @@ def main() -> None:
           f"{args.repeats} later launches; ratios to {base}")
     print(f"{'launcher':30s} {'import':>7s} {'first launch':>12s} {'sum':>7s} {'ratio':>6s} "
           f"{'call->step':>11s} {'ratio':>6s} {'call->error':>12s} {'ratio':>6s}")
-    fresh = {name: imported[name] + first[name] for name in codes}
+    fresh = {name: imported[name] + first[name] for name in med}
     for name in codes:
+        if name in hung:
+            print(f"{name:30s} hung: a {hung[name]} launch gave no reply in {args.timeout:.0f} s "
+                  "(its kernel and ranks killed; no numbers)")
+            continue
         step, error = med[name]["step"], med[name]["error"]
         print(f"{name:30s} {imported[name]:6.3f}s {first[name]:11.3f}s {fresh[name]:6.3f}s "
               f"{fresh[name] / fresh[base]:6.2f} {step:10.3f}s {step / med[base]['step']:6.2f} "
