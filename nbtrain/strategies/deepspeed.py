@@ -379,15 +379,20 @@ def memory_tensors(engine) -> dict[str, list[torch.Tensor]]:
 # ``param_groups.<name>.<option>``), so a checkpoint moves between DeepSpeed, the other
 # strategies and a plain model. Each call is a collective: every rank gathers the whole
 # tensors, one parameter at a time, with DeepSpeed's ``safe_get_full_*`` functions.
-def _by_param(engine) -> dict[int, tuple[int, list[torch.Tensor]]]:
-    """``id(param)`` -> (its optimizer param group, the flat fp32 partitions that hold
-    it: the tensors DeepSpeed's torch optimizer keeps its state for)."""
+def _partitions(engine) -> list[tuple[int, torch.Tensor, list[nn.Parameter]]]:
+    """(param group, flat fp32 partition, the parameters it holds) for each partition
+    DeepSpeed's torch optimizer steps and keeps its state for."""
     opt = engine.optimizer
     if engine.zero_optimization_stage() == 3:
-        return {id(p): (opt.sub_group_to_group_id[sub], [opt.fp32_partitioned_groups_flat[sub]])
-                for sub, group in enumerate(opt.fp16_groups) for p in group}
-    return {id(p): (i, [opt.single_partition_of_fp32_groups[i]])
-            for i, group in enumerate(opt.bit16_groups) for p in group}
+        return [(opt.sub_group_to_group_id[sub], opt.fp32_partitioned_groups_flat[sub], group)
+                for sub, group in enumerate(opt.fp16_groups)]
+    return [(i, opt.single_partition_of_fp32_groups[i], group)
+            for i, group in enumerate(opt.bit16_groups)]
+
+
+def _by_param(engine) -> dict[int, tuple[int, torch.Tensor]]:
+    """``id(param)`` -> (its param group, its flat fp32 partition)."""
+    return {id(p): (group, flat) for group, flat, params in _partitions(engine) for p in params}
 
 
 def model_state_dict(engine) -> dict[str, torch.Tensor]:
@@ -435,16 +440,14 @@ def load_model_state_dict(engine, state: dict[str, Any], strict: bool = True) ->
     done = set()
     with torch.no_grad():
         for name, target in current.items():
-            if name not in state or id(target) in done:
+            if name not in state or id(target) in done or not isinstance(target, torch.Tensor):
                 continue
             done.add(id(target))
             value = state[name]
-            if not isinstance(target, torch.Tensor):
-                continue
-            if isinstance(target, nn.Parameter) and id(target) in owned:
-                safe_set_full_fp32_param(target, value.to(torch.float32).to(
-                    owned[id(target)][1][0].device))
-            if isinstance(target, nn.Parameter) and stage3:
+            if id(target) in owned:  # the fp32 master copy
+                safe_set_full_fp32_param(target, value.to(owned[id(target)][1].device,
+                                                          torch.float32))
+            if isinstance(target, nn.Parameter) and stage3:  # this rank's partition
                 with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
                     target.data.copy_(value.reshape(target.shape))
             else:
@@ -454,32 +457,29 @@ def load_model_state_dict(engine, state: dict[str, Any], strict: bool = True) ->
 def _init_optimizer_state(engine) -> None:
     """Give DeepSpeed's torch optimizer its state for every flat partition that has
     none yet (before the first step; as torch's ``set_optimizer_state_dict`` does): a
-    step with zero gradients and a learning rate of 0, which changes no weight."""
+    step with zero gradients and a learning rate of 0, which changes no weight. Then
+    stages 1 and 2 map each parameter into the state (lazily, as after a step)."""
     opt = engine.optimizer
     inner = getattr(opt, "optimizer", opt)
-    empty: dict[int, list[torch.Tensor]] = {}  # param group -> its partitions lacking state
-    for group, flats in _by_param(engine).values():
-        for flat in flats:
-            if not inner.state.get(flat) and all(f is not flat for f in empty.get(group, [])):
-                empty.setdefault(group, []).append(flat)
+    empty = [(group, flat) for group, flat, _ in _partitions(engine) if not inner.state.get(flat)]
     if empty:
         saved = [(group["params"], group["lr"]) for group in inner.param_groups]
-        grads = {id(f): f.grad for flats in empty.values() for f in flats}  # offload's buffers
+        grads = [flat.grad for _, flat in empty]  # offload keeps its gradient buffers there
         for i, group in enumerate(inner.param_groups):
             # DeepSpeed's stage 3 puts a partition in its group only while stepping it
-            group["params"] = empty.get(i, [])
+            group["params"] = [flat for g, flat in empty if g == i]
             group["lr"] = 0.0 if not isinstance(group["lr"], torch.Tensor) else group["lr"] * 0
-            for flat in group["params"]:
-                flat.grad = torch.zeros_like(flat)
+        for _, flat in empty:
+            flat.grad = torch.zeros_like(flat)
         try:
             inner.step()
         finally:
+            for (_, flat), grad in zip(empty, grads, strict=True):
+                flat.grad = grad
             for group, (params, lr) in zip(inner.param_groups, saved, strict=True):
-                for flat in group["params"]:
-                    flat.grad = grads[id(flat)]
                 group["params"], group["lr"] = params, lr
     link = getattr(opt, "_lazy_init_hp_params_optimizer_state", None)
-    if link is not None:  # stages 1 and 2 map each parameter into the state lazily
+    if link is not None:
         link()
 
 
@@ -495,9 +495,8 @@ def optimizer_state_dict(engine) -> dict[str, Any]:
     for name, param in engine.module.named_parameters():
         if id(param) not in owned:
             continue
-        group, flats = owned[id(param)]
-        state = inner.state.get(flats[0], {})
-        for key, value in state.items():
+        group, flat = owned[id(param)]
+        for key, value in inner.state[flat].items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 full = safe_get_full_optimizer_state(param, key)
                 out[f"state.{name}.{key}"] = full.to("cpu", copy=True)
@@ -519,38 +518,34 @@ def load_optimizer_state_dict(engine, state: dict[str, Any]) -> None:
     owned = _by_param(engine)
     params = [(name, p) for name, p in engine.module.named_parameters() if id(p) in owned]
     # a tensor state the optimizer lacks so far (SGD's momentum before its first step):
-    # made beside the partition it belongs to, then mapped to the parameters
+    # made beside the partition it belongs to, then mapped to the parameters again
     added = False
     for name, param in params:
+        flat = owned[id(param)][1]
         prefix = f"state.{name}."
-        for key in (k[len(prefix):] for k, v in state.items() if k.startswith(prefix)
-                    and isinstance(v, torch.Tensor) and v.dim() > 0):
-            for flat in owned[id(param)][1]:
-                if key not in inner.state[flat]:
-                    inner.state[flat][key] = torch.zeros_like(flat)
-                    added = True
+        for key, value in state.items():
+            if (key.startswith(prefix) and isinstance(value, torch.Tensor) and value.dim() > 0
+                    and key[len(prefix):] not in inner.state[flat]):
+                inner.state[flat][key[len(prefix):]] = torch.zeros_like(flat)
+                added = True
     if added and hasattr(opt, "_hp_optimizer_states_linked"):
         opt._hp_optimizer_states_linked = False
-        _init_optimizer_state(engine)
+        opt._lazy_init_hp_params_optimizer_state()
     with torch.no_grad():
         for name, param in params:
-            group, flats = owned[id(param)]
-            prefix = f"state.{name}."
-            for key, value in ((k[len(prefix):], v) for k, v in state.items()
-                               if k.startswith(prefix)):
-                current = inner.state[flats[0]].get(key)
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    safe_set_full_optimizer_state(param, value.to(current.device, current.dtype),
-                                                  key)
-                else:  # the step count, one for the whole partition
-                    for flat in flats:
-                        old = inner.state[flat].get(key)
-                        inner.state[flat][key] = (value.to(old.device, old.dtype).clone()
-                                                  if isinstance(old, torch.Tensor) else value)
-            prefix = f"param_groups.{name}."
+            group, flat = owned[id(param)]
             for key, value in state.items():
-                if key.startswith(prefix):
-                    inner.param_groups[group][key[len(prefix):]] = value
+                if key.startswith(f"param_groups.{name}."):
+                    inner.param_groups[group][key[len(f"param_groups.{name}."):]] = value
+                if not key.startswith(f"state.{name}."):
+                    continue
+                key = key[len(f"state.{name}."):]
+                old = inner.state[flat].get(key)
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    safe_set_full_optimizer_state(param, value.to(old.device, old.dtype), key)
+                else:  # the step count, one for the whole partition
+                    inner.state[flat][key] = (value.to(old.device, old.dtype).clone()
+                                              if isinstance(old, torch.Tensor) else value)
 
 
 def import_deepspeed(device_type: str):
