@@ -589,3 +589,18 @@ def test_host_memory_is_drawn_apart_and_named():
     assert "params" not in bars or not any(bars["params"].y)
     table = compare(run, n_params=2**19).table()
     assert "in host memory" in table and "4 MB" in table
+
+
+def test_the_keeper_holds_the_last_output_of_each_recent_slot():
+    from nbtrain.ui import keeper
+
+    for i in range(keeper.KEEP + 6):
+        keeper.keep(f"slot{i}", {"output_type": "display_data", "data": {"text/plain": str(i)},
+                                 "metadata": {keeper.KEY: {"slot": f"slot{i}", "version": 1}}})
+    keeper.keep("slot10", {"output_type": "display_data", "data": {"text/plain": "again"},
+                           "metadata": {keeper.KEY: {"slot": "slot10", "version": 2}}})
+    held = keeper.keeper().outputs
+    assert len(held) == keeper.KEEP  # bounded: every reloaded page receives all of it
+    assert "slot0" not in held and f"slot{keeper.KEEP + 5}" in held
+    assert held["slot10"]["data"]["text/plain"] == "again"  # the newest version, kept longest
+    assert list(held)[-1] == "slot10"

@@ -59,8 +59,10 @@ def test_auto_is_static_without_a_widget_manager(setup, kernel_clean):
 
 
 def test_forced_widget_stays_within_the_message_budget(setup, kernel_clean):
-    # what stays for the kernel's life: plotly.js's loader (made by a first chart)
-    assert setup.run("from nbtrain.ui.livechart import ensure_plotly; ensure_plotly()").error is None
+    # what stays for the kernel's life: plotly.js's loader (made by a first chart) and
+    # the keeper of outputs (made by a first static figure)
+    assert setup.run("from nbtrain.ui.livechart import ensure_plotly; ensure_plotly()\n"
+                     "from nbtrain.ui.keeper import keeper; keeper()").error is None
     before = setup.value("len(__import__('ipywidgets').widgets.widget._instances)")
     msgs, seconds = messages(
         setup, "run = nbtrain.launch(log_many, devices=2, steps=3000, dashboard='widget')")
@@ -80,8 +82,19 @@ def test_forced_widget_stays_within_the_message_budget(setup, kernel_clean):
     figure = [i for i, m in enumerate(msgs) if m["msg_type"] == "comm_open"
               and "template" in m["content"]["data"]["state"]]  # the live chart
     assert header and figure and shown < figure[0]
-    last = [m["content"]["data"] for m in msgs if m["msg_type"] == "update_display_data"]
-    assert PLOTLY_MIME in last[-1]  # a static figure in its place at the end
+    last = [m["content"] for m in msgs if m["msg_type"] == "update_display_data"]
+    assert PLOTLY_MIME in last[-1]["data"]  # a static figure in its place at the end
+    # ... and the same outputs, slot and version, in the keeper, which brings them to a
+    # page reloaded since (its display ids lost)
+    slots = [m["content"]["metadata"]["nbtrain"]["slot"] for m in msgs
+             if m["msg_type"] == "display_data"]
+    kept = [m["content"]["data"]["state"]["outputs"] for m in comm
+            if "outputs" in m["content"]["data"].get("state", {})][-1]
+    assert set(slots) <= set(kept), (slots, list(kept))
+    for update in last[-2:]:
+        mark = update["metadata"]["nbtrain"]
+        assert kept[mark["slot"]]["data"] == update["data"]
+        assert kept[mark["slot"]]["metadata"]["nbtrain"]["version"] == mark["version"] == 1
     points = setup.value("run.history.__len__() > 1000")
     assert points
     time.sleep(3)  # and the widgets are gone, a moment after their views

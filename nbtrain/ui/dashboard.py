@@ -11,9 +11,9 @@ re-creates the view with the current header and figure, and it goes on updating.
 the run ends, the two outputs become the static header and a static plotly figure
 (plotly's mimetype, an HTML fallback and text), and the widgets are closed: a saved
 notebook, nbviewer or a kernel-less viewer then show the final charts, which a widget
-cannot. After a reload those display updates reach nothing (the page lost the outputs'
-display ids), so a re-created view keeps its widgets with the final state and says how
-to keep the charts in the notebook.
+cannot. A page reloaded during the run gets no display update (it lost the outputs'
+display ids); the kernel's keeper widget brings it the static outputs instead
+(``keeper.py``), and the widgets stay for any page it could not reach.
 
 Cheap by construction: one figure per dashboard; at most ``1 / interval`` redraws a
 second, each one batched update that restyles only the traces whose data changed, each
@@ -37,18 +37,21 @@ from .fallback import figure_bundle
 from .figures import build_figure, figure_height, figure_json
 from .frontend import INSTALL, missing_widget_packages
 from .header import error_html, header_html, header_text
+from .keeper import KeptDisplay
 
 if TYPE_CHECKING:
     from ..run import Run
 
 PLACEHOLDER = ('<div style="font-family:sans-serif;font-size:12px;color:#757575">'
                "drawing the charts…</div>")
-# Said under the final header of a view the browser re-created during the run (a
-# reload): the page no longer holds the outputs the static figure would replace.
+# Said under the final header of a view re-created during the run (a reload), seen
+# only where the keeper could not put the static figure in its place (a frontend whose
+# widget manager holds no notebook model).
 RECREATED_NOTE = ('<div style="font-family:sans-serif;font-size:12px;color:#757575">'
-                  "This view was re-created after the page reloaded: the saved notebook "
-                  "keeps it as a live widget. To keep these charts in it, show the run in a "
-                  "cell (<code>run</code>, or <code>nbtrain.last_run()</code>).</div>")
+                  "This view was re-created after the page reloaded, and this page could "
+                  "not replace it with the static figure: the saved notebook keeps it as a "
+                  "live widget. To keep these charts in it, show the run in a cell "
+                  "(<code>run</code>, or <code>nbtrain.last_run()</code>).</div>")
 CLOSE_AFTER_S = 2.0  # after the static forms replaced the widget
 
 
@@ -85,19 +88,17 @@ class Dashboard(LiveView):
         self._control = None  # the widget frontend's control comm when shown (see recreated)
         self._made: list = []  # every widget made here, closed with the view
         if display:
-            from IPython.display import display as show
-
             # One widget holds the header, the figure once built, and errors: a view the
             # browser re-creates (a reload) draws their current state and goes on
             # updating. The second output is empty until the run ends: then both take
-            # the static header and figure, which a saved notebook keeps.
+            # the static header and figure, which a saved notebook keeps, in every page
+            # showing the notebook (keeper.py).
             self._box(placeholder=True)
             from .livechart import ensure_plotly
 
             ensure_plotly()  # the page evaluates plotly.js while the workers start
             self._control = getattr(require_widgets().Widget, "_control_comm", None)
-            self._handles = (show(self.widget, display_id=True),
-                             show({"text/plain": ""}, raw=True, display_id=True))
+            self._handles = (KeptDisplay(self.widget), KeptDisplay({"text/plain": ""}, raw=True))
         else:
             self._build(boxed=True)
             self.draw(final=False)
@@ -193,13 +194,14 @@ class Dashboard(LiveView):
         if self.errors is not None and errors != self.errors.value:
             self.errors.value = errors
         if final and self._handles is not None:
-            # The static forms take the outputs' places (in a page that was reloaded
-            # these updates reach nothing, and the live widget keeps the final state).
-            self._handles[0].update(shown, raw=True)
+            # The static forms take the outputs' places, in every page (keeper.py).
+            self._handles[0].update(shown)
             self._handles[1].update(  # a static figure's height follows its rows
-                figure_bundle(build_figure(state), shown["text/plain"]), raw=True)
+                figure_bundle(build_figure(state), shown["text/plain"]))
             if not self.recreated:  # its views are gone: end its comms, a little later,
-                # so no message of a view being removed reaches a closed comm
+                # so no message of a view being removed reaches a closed comm. A page
+                # that connected since may show a view the keeper could not replace (a
+                # frontend without a notebook model): its widgets stay, with the note.
                 timer = threading.Timer(CLOSE_AFTER_S, self._close_widgets)
                 timer.daemon = True
                 timer.start()

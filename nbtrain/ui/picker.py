@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .. import strategies
 from ..cells import mark_shown, shown_here
 from .compare import Comparison
+from .keeper import KeptDisplay
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -101,8 +102,7 @@ class StrategyPicker:
 
             first, second = self.static_bundles()  # the static twin: see TWIN_STYLE
             self._handles = (show(self.widget, display_id=True),
-                             show(first, raw=True, display_id=True),
-                             show(second, raw=True, display_id=True))
+                             KeptDisplay(first, raw=True), KeptDisplay(second, raw=True))
             mark_shown(self)
 
     # -- actions -----------------------------------------------------------------------
@@ -234,8 +234,8 @@ class StrategyPicker:
             for bundle in comparison.bundles()[1:])
         if self._handles is not None:  # the static twin follows
             first, second = self.static_bundles()
-            self._handles[1].update(first, raw=True)
-            self._handles[2].update(second, raw=True)
+            self._handles[1].update(first)  # in every page showing it (keeper.py)
+            self._handles[2].update(second)
 
     def static_bundles(self) -> tuple[dict, dict]:
         """The picker as a saved notebook keeps it: what ran, and the comparison."""

@@ -1,0 +1,111 @@
+"""Outputs that every page showing the notebook brings up to date, a reloaded one too.
+
+A display handle's update reaches only the page that ran the cell: a page reloaded since
+rebuilt the cell's outputs from the saved file and routes no update to them. So a live
+view re-created by a reload could never become the static figure a saved notebook keeps,
+and after a later kernel restart it read "model not found".
+
+Each output nbtrain replaces later is a ``KeptDisplay``: its metadata names a slot and a
+version. ``update`` replaces it through its display handle (the page that ran the cell,
+any frontend) and also records the new output in the kernel's one ``Keeper`` widget.
+The keeper's module runs in every page whose widget manager holds its model — the first
+page and any reloaded one, which restores every model from the kernel — and replaces
+each output of that page's notebook whose slot it holds at an older version, as the
+display update would have. It reaches the notebook through the widget manager's
+document context (JupyterLab, Notebook 7); where there is none it does nothing and the
+handle's update is all there is. The keeper holds the last ``KEEP`` slots' outputs.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import OrderedDict
+
+import anywidget
+import traitlets
+
+KEY = "nbtrain"  # the outputs' metadata: {"slot": ..., "version": n}
+KEEP = 24  # slots whose last output the keeper holds (a run's dashboard takes two)
+
+_ESM = """
+const KEY = "nbtrain";
+async function apply(model) {
+  const context = model.widget_manager && model.widget_manager.context;
+  if (!context || !context.model) return;  // not a notebook page (or no access to it)
+  if (context.ready) await context.ready;
+  const kept = model.get("outputs");
+  const cells = context.model.cells;
+  for (let c = 0; c < cells.length; c++) {
+    const outputs = cells.get(c).outputs;
+    if (!outputs) continue;  // a markdown or raw cell
+    for (let i = 0; i < outputs.length; i++) {
+      const mark = (outputs.get(i).metadata || {})[KEY];
+      const output = mark && kept[mark.slot];
+      if (output && output.metadata[KEY].version !== mark.version) outputs.set(i, output);
+    }
+  }
+}
+export default {
+  initialize({ model }) {
+    const run = () => apply(model).catch(
+      (err) => console.warn("nbtrain: could not bring an output up to date:", err));
+    run();
+    model.on("change:outputs", run);
+  },
+};
+"""
+
+
+class Keeper(anywidget.AnyWidget):
+    """The last outputs of nbtrain's slots, which each page's copy applies to its
+    notebook (never shown: a widget's module runs when its model reaches a page)."""
+
+    _esm = _ESM
+    outputs = traitlets.Dict().tag(sync=True)
+
+
+_KEEPER: Keeper | None = None
+_kept: OrderedDict[str, dict] = OrderedDict()
+_lock = threading.Lock()
+
+
+def keeper() -> Keeper:
+    """The kernel's keeper (made on first use; it lasts as long as the kernel)."""
+    global _KEEPER
+    with _lock:
+        if _KEEPER is None:
+            _KEEPER = Keeper()
+        return _KEEPER
+
+
+def keep(slot: str, output: dict) -> None:
+    """Record ``output`` as the slot's current one, for every page to apply."""
+    widget = keeper()
+    with _lock:
+        _kept[slot] = output
+        _kept.move_to_end(slot)
+        while len(_kept) > KEEP:
+            _kept.popitem(last=False)
+        widget.outputs = dict(_kept)
+
+
+class KeptDisplay:
+    """A display whose updates reach every page showing the notebook (see the module)."""
+
+    def __init__(self, obj, raw: bool = False):
+        from IPython.display import display
+
+        self.slot = uuid.uuid4().hex
+        self.version = 0
+        self.handle = display(obj, raw=raw, display_id=True, metadata=self._metadata())
+
+    def _metadata(self) -> dict:
+        return {KEY: {"slot": self.slot, "version": self.version}}
+
+    def update(self, bundle: dict) -> None:
+        """Replace the output with the display bundle ``bundle``, in every page."""
+        self.version += 1
+        metadata = self._metadata()
+        self.handle.update(bundle, raw=True, metadata=metadata)
+        keep(self.slot, {"output_type": "display_data", "data": bundle, "metadata": metadata})
