@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 from .. import strategies
 from ..cells import mark_shown, shown_here
 from .compare import Comparison
-from .keeper import KeptDisplay
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -99,6 +98,8 @@ class StrategyPicker:
         self._handles = None
         if display:
             from IPython.display import display as show
+
+            from .keeper import KeptDisplay  # anywidget, with the widgets (not on import)
 
             first, second = self.static_bundles()  # the static twin: see TWIN_STYLE
             self._handles = (show(self.widget, display_id=True),
