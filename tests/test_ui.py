@@ -594,13 +594,18 @@ def test_host_memory_is_drawn_apart_and_named():
 def test_the_keeper_holds_the_last_output_of_each_recent_slot():
     from nbtrain.ui import keeper
 
+    def output(slot, text, version=1):
+        return {slot: {"output_type": "display_data", "data": {"text/plain": text},
+                       "metadata": {keeper.KEY: {"slot": slot, "version": version}}}}
+
+    sent = []
+    keeper.keeper().observe(lambda change: sent.append(change["new"]), names="outputs")
     for i in range(keeper.KEEP + 6):
-        keeper.keep(f"slot{i}", {"output_type": "display_data", "data": {"text/plain": str(i)},
-                                 "metadata": {keeper.KEY: {"slot": f"slot{i}", "version": 1}}})
-    keeper.keep("slot10", {"output_type": "display_data", "data": {"text/plain": "again"},
-                           "metadata": {keeper.KEY: {"slot": "slot10", "version": 2}}})
+        keeper.keep(output(f"slot{i}", str(i)))
+    keeper.keep({**output("slot10", "again", 2), **output("new", "new")})  # one message
     held = keeper.keeper().outputs
+    assert len(sent) == keeper.KEEP + 7 and sent[-1] == held
     assert len(held) == keeper.KEEP  # bounded: every reloaded page receives all of it
     assert "slot0" not in held and f"slot{keeper.KEEP + 5}" in held
     assert held["slot10"]["data"]["text/plain"] == "again"  # the newest version, kept longest
-    assert list(held)[-1] == "slot10"
+    assert list(held)[-2:] == ["slot10", "new"]

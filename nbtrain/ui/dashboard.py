@@ -38,6 +38,7 @@ from .figures import build_figure, figure_height, figure_json
 from .frontend import INSTALL, missing_widget_packages
 from .header import error_html, header_html, header_text
 from .keeper import KeptDisplay
+from .keeper import update as kept_update
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -194,10 +195,10 @@ class Dashboard(LiveView):
         if self.errors is not None and errors != self.errors.value:
             self.errors.value = errors
         if final and self._handles is not None:
-            # The static forms take the outputs' places, in every page (keeper.py).
-            self._handles[0].update(shown)
-            self._handles[1].update(  # a static figure's height follows its rows
-                figure_bundle(build_figure(state), shown["text/plain"]))
+            # The static forms take the outputs' places, in every page (keeper.py); a
+            # static figure's height follows its rows.
+            figure = figure_bundle(build_figure(state), shown["text/plain"])
+            kept_update([(self._handles[0], shown), (self._handles[1], figure)])
             if not self.recreated:  # its views are gone: end its comms, a little later,
                 # so no message of a view being removed reaches a closed comm. A page
                 # that connected since may show a view the keeper could not replace (a

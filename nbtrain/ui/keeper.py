@@ -26,7 +26,10 @@ import anywidget
 import traitlets
 
 KEY = "nbtrain"  # the outputs' metadata: {"slot": ..., "version": n}
-KEEP = 24  # slots whose last output the keeper holds (a run's dashboard takes two)
+# Slots whose last output the keeper holds: a run's dashboard takes two (a static figure
+# is up to ~300 KB), and every reloaded page receives them all. A page needs the outputs
+# of the runs that ended since the notebook was last saved, a few at most.
+KEEP = 12
 
 _ESM = """
 const KEY = "nbtrain";
@@ -79,12 +82,14 @@ def keeper() -> Keeper:
         return _KEEPER
 
 
-def keep(slot: str, output: dict) -> None:
-    """Record ``output`` as the slot's current one, for every page to apply."""
+def keep(outputs: dict[str, dict]) -> None:
+    """Record each slot's current output (``{slot: output}``), for every page to apply:
+    one message to the pages, whatever the number of slots."""
     widget = keeper()
     with _lock:
-        _kept[slot] = output
-        _kept.move_to_end(slot)
+        for slot, output in outputs.items():
+            _kept[slot] = output
+            _kept.move_to_end(slot)
         while len(_kept) > KEEP:
             _kept.popitem(last=False)
         widget.outputs = dict(_kept)
@@ -103,9 +108,18 @@ class KeptDisplay:
     def _metadata(self) -> dict:
         return {KEY: {"slot": self.slot, "version": self.version}}
 
-    def update(self, bundle: dict) -> None:
-        """Replace the output with the display bundle ``bundle``, in every page."""
+    def _replace(self, bundle: dict) -> dict:
+        """Update through the handle; returns the output for the keeper."""
         self.version += 1
         metadata = self._metadata()
         self.handle.update(bundle, raw=True, metadata=metadata)
-        keep(self.slot, {"output_type": "display_data", "data": bundle, "metadata": metadata})
+        return {"output_type": "display_data", "data": bundle, "metadata": metadata}
+
+    def update(self, bundle: dict) -> None:
+        """Replace the output with the display bundle ``bundle``, in every page."""
+        update([(self, bundle)])
+
+
+def update(changes: list[tuple[KeptDisplay, dict]]) -> None:
+    """Replace each display's output with its bundle, in every page."""
+    keep({display.slot: display._replace(bundle) for display, bundle in changes})

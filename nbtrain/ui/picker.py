@@ -233,10 +233,11 @@ class StrategyPicker:
         self.comparison_figure.outputs = tuple(
             {"output_type": "display_data", "data": bundle, "metadata": {}}
             for bundle in comparison.bundles()[1:])
-        if self._handles is not None:  # the static twin follows
+        if self._handles is not None:  # the static twin follows, in every page
+            from .keeper import update  # loaded when the picker was shown
+
             first, second = self.static_bundles()
-            self._handles[1].update(first)  # in every page showing it (keeper.py)
-            self._handles[2].update(second)
+            update([(self._handles[1], first), (self._handles[2], second)])
 
     def static_bundles(self) -> tuple[dict, dict]:
         """The picker as a saved notebook keeps it: what ran, and the comparison."""
