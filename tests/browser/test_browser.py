@@ -5,11 +5,12 @@ In JupyterLab: a blocking launch's header shows within a second, its chart gains
 while it runs, the kernel reads busy until the cell ends, and nothing logs a console
 error; once it ended its output is a static figure. A background run survives a page
 reload while it is live (the re-created view shows the current step and goes on) and
-ends as the static figure in the reloaded page. The picker runs two strategies, the
-second after a reload, and compares them. Saved, the kernel restarted, the notebook
-reopened: every output shows its charts, never "model not found". In Notebook 7: a
-launch's live chart and its static figure, and a background run across a reload and a
-kernel restart. Screenshots go to tests/browser/screenshots/."""
+ends as the static figure in the reloaded page, and a second reload keeps it. The picker
+runs two strategies, the second after a reload, and compares them; compare() compares the
+two launches. Saved, the kernel restarted, the notebook reopened: every output shows its
+charts, never "model not found". In Notebook 7: a launch's live chart and its static
+figure, and a background run across a reload and a kernel restart. Screenshots go to
+tests/browser/screenshots/."""
 
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ CELLS = [
     "bg = nbtrain.launch(slow, 150, 0.1, devices=2, background=True)",
     # 3: the picker
     "picker = nbtrain.StrategyPicker(train, devices=2)",
+    # 4: the two launches compared
+    "nbtrain.compare([run, bg])",
 ]
 RUNNING = "rank 1: running"
 
@@ -170,6 +173,10 @@ def test_dashboards_survive_reloads_restarts_and_reopening(no_leftovers, tmp_pat
             lab.open_notebook(page, url)
             again = _wait_for(page, 2, lambda c: c["traces"] and not c["live"])
             assert "rank 1: done" in again["text"] and not again["live"], again
+            lab.run_cell(page, 4)  # compare(): static from the start
+            lab.wait_idle(page, 4)
+            compared = _wait_for(page, 4, lambda c: c["figures"] > 0)
+            assert compared["figures"] and "ddp" in compared["text"], compared
 
             # -- the picker: two strategies from its Run button, compared ---------------
             lab.run_cell(page, 3)
@@ -220,6 +227,8 @@ def test_dashboards_survive_reloads_restarts_and_reopening(no_leftovers, tmp_pat
             background = _wait_for(page, 2, lambda c: c["traces"] > 0)
             assert "rank 1: done" in background["text"] and background["traces"] >= 4, background
             assert "model not found" not in background["text"], background["text"]
+            compared_again = _wait_for(page, 4, lambda c: c["figures"] > 0)
+            assert compared_again["figures"] == compared["figures"], compared_again
         except BaseException:
             page.screenshot(path=str(SHOTS / "failure.png"), full_page=True)
             print("\n".join(_errors(console)))
