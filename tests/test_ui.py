@@ -599,10 +599,17 @@ def test_the_keeper_holds_the_last_output_of_each_recent_slot():
                        "metadata": {keeper.KEY: {"slot": slot, "version": version}}}}
 
     sent = []
-    keeper.keeper().observe(lambda change: sent.append(change["new"]), names="outputs")
-    for i in range(keeper.KEEP + 6):
-        keeper.keep(output(f"slot{i}", str(i)))
-    keeper.keep({**output("slot10", "again", 2), **output("new", "new")})  # one message
+
+    def seen(change):
+        sent.append(change["new"])
+
+    keeper.keeper().observe(seen, names="outputs")
+    try:
+        for i in range(keeper.KEEP + 6):
+            keeper.keep(output(f"slot{i}", str(i)))
+        keeper.keep({**output("slot10", "again", 2), **output("new", "new")})  # one message
+    finally:
+        keeper.keeper().unobserve(seen, names="outputs")
     held = keeper.keeper().outputs
     assert len(sent) == keeper.KEEP + 7 and sent[-1] == held
     assert len(held) == keeper.KEEP  # bounded: every reloaded page receives all of it

@@ -6,8 +6,9 @@ view re-created by a reload could never become the static figure a saved noteboo
 and after a later kernel restart it read "model not found".
 
 Each output nbtrain replaces later is a ``KeptDisplay``: its metadata names a slot and a
-version. ``update`` replaces it through its display handle (the page that ran the cell,
-any frontend) and also records the new output in the kernel's one ``Keeper`` widget.
+version. ``update`` replaces such outputs through their display handles (the page that
+ran the cell, any frontend) and also records the new outputs in the kernel's one
+``Keeper`` widget.
 The keeper's module runs in every page whose widget manager holds its model — the first
 page and any reloaded one, which restores every model from the kernel — and replaces
 each output of that page's notebook whose slot it holds at an older version, as the
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections import OrderedDict
 
 import anywidget
 import traitlets
@@ -69,7 +69,6 @@ class Keeper(anywidget.AnyWidget):
 
 
 _KEEPER: Keeper | None = None
-_kept: OrderedDict[str, dict] = OrderedDict()
 _lock = threading.Lock()
 
 
@@ -84,15 +83,13 @@ def keeper() -> Keeper:
 
 def keep(outputs: dict[str, dict]) -> None:
     """Record each slot's current output (``{slot: output}``), for every page to apply:
-    one message to the pages, whatever the number of slots."""
+    one message to the pages, whatever the number of slots. The newest last, and only
+    the last ``KEEP``."""
     widget = keeper()
     with _lock:
-        for slot, output in outputs.items():
-            _kept[slot] = output
-            _kept.move_to_end(slot)
-        while len(_kept) > KEEP:
-            _kept.popitem(last=False)
-        widget.outputs = dict(_kept)
+        kept = {slot: out for slot, out in widget.outputs.items() if slot not in outputs}
+        kept.update(outputs)
+        widget.outputs = dict(list(kept.items())[-KEEP:])
 
 
 class KeptDisplay:
@@ -114,10 +111,6 @@ class KeptDisplay:
         metadata = self._metadata()
         self.handle.update(bundle, raw=True, metadata=metadata)
         return {"output_type": "display_data", "data": bundle, "metadata": metadata}
-
-    def update(self, bundle: dict) -> None:
-        """Replace the output with the display bundle ``bundle``, in every page."""
-        update([(self, bundle)])
 
 
 def update(changes: list[tuple[KeptDisplay, dict]]) -> None:
