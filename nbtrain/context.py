@@ -47,6 +47,7 @@ class Context:
         self._recorder = (Recorder(self.rank, self.device, telemetry, spec.telemetry)
                           if telemetry is not None else None)
         self._scaler = None
+        self._skipped = 0  # fp16 steps the loss scaler skipped
         self._engine = None  # DeepSpeed's engine, once ctx.setup made it
         self._batches = 0
         self._logs = 0
@@ -144,7 +145,8 @@ class Context:
                                  ddp=isinstance(wrapped, nn.parallel.DistributedDataParallel))
         self._scaler = strategy.grad_scaler(self)
         if self._scaler is not None:
-            optimizers = tuple(_ScaledOptimizer(opt, self._scaler) for opt in optimizers)
+            optimizers = tuple(_ScaledOptimizer(opt, self._scaler, self._step_skipped)
+                               for opt in optimizers)
         for opt in optimizers:
             self._model_of[id(opt)] = wrapped
         return (wrapped, *optimizers) if optimizers else wrapped
@@ -189,6 +191,19 @@ class Context:
             self._scaler.scale(loss).backward()
         else:
             loss.backward()
+
+    @property
+    def skipped_steps(self) -> int:
+        """fp16: how many optimizer steps the loss scaler skipped so far (their gradients
+        held inf or nan; the scale was lowered instead). Also on the dashboard."""
+        return self._skipped
+
+    def _step_skipped(self, optimizer: torch.optim.Optimizer) -> None:
+        self._skipped += 1
+        if self._recorder is not None:
+            self._recorder.step_skipped(optimizer)
+        if self._telemetry is not None:
+            self._log_at(self.step, {"skipped_steps": self._skipped})
 
     # -- gradient accumulation and clipping ---------------------------------------------
     @contextlib.contextmanager
@@ -511,20 +526,94 @@ def _repoint(opt: torch.optim.Optimizer, names: dict[int, str],
                            "ctx.setup(model, opt) before training.")
 
 
-class _ScaledOptimizer:
-    """fp16: ``step()`` unscales, skips the step on inf/nan, and updates the scale."""
+class _ScaledOptimizer(torch.optim.Optimizer):
+    """fp16: ``step()`` unscales the gradients, skips the step when they hold inf/nan (as
+    one process with torch's ``GradScaler`` does), and updates the scale.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler):
+    An ``Optimizer`` to every check (LR schedulers refuse anything else) whose state,
+    parameter groups, state dict and hooks are the wrapped optimizer's own: a scheduler
+    built on it moves the real learning rates. ``skipped`` counts the skipped steps;
+    ``on_skip(optimizer)`` is told of each.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler, on_skip=None):
+        # No Optimizer.__init__: nothing of its own to hold, all is the wrapped one's.
         self.optimizer = optimizer
         self.scaler = scaler
+        self.on_skip = on_skip
+        self.skipped = 0
 
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("fp16 training with a closure is not supported; call "
                              "optimizer.step() without one.")
+        scale = self.scaler.get_scale()
         result = self.scaler.step(self.optimizer)
         self.scaler.update()
+        if self.scaler.get_scale() < scale:  # the scaler backs off only after inf/nan
+            self.skipped += 1
+            if self.on_skip is not None:
+                self.on_skip(self.optimizer)
         return result
 
+    # Optimizer's methods, each the wrapped optimizer's (its own would read state that
+    # this object does not have).
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def register_step_pre_hook(self, hook):
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook):
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def __getstate__(self):
+        return self.__dict__
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+
     def __getattr__(self, name):
+        if name == "optimizer":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"fp16 loss scaling of {self.optimizer!r}"

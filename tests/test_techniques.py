@@ -138,6 +138,26 @@ def test_fp16_skips_the_steps_one_process_skips(strategy):
     assert max((run.result["full"][k] - v).abs().max() for k, v in fp32.items()) > 0.01
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # the 1-process one
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_fp16_with_an_lr_scheduler_trains_as_one_process_and_counts_skipped_steps(strategy):
+    """What fine-tunes on T4s do: fp16, its loss scaler and an LR scheduler built on the
+    optimizer ctx.setup returned. The scheduler moves the real learning rate, the first
+    step is skipped (its scaled gradients overflow), and the count reaches the dashboard."""
+    chosen = strategies.get(strategy, mixed_precision="fp16")
+    run = nbtrain.launch(train, devices=2, accelerator="cpu", strategy=chosen,
+                         dashboard=False, scheduler=True, epochs=2)
+    want = train_single(precision="fp16", scheduler=True, epochs=2)
+    for name, value in want.items():
+        torch.testing.assert_close(run.result["full"][name], value, rtol=1e-3, atol=1e-3)
+    assert [r["skipped"] for r in run.results] == [1, 1]
+    assert run.result["lr"] == pytest.approx(1e-2 * 0.5 ** 8)  # 16 steps, halved every 2
+    for rank in (0, 1):
+        assert run.history.metric("skipped_steps", rank) == [(0, 1.0)]
+    # the skipped step is still a step on the dashboard: every batch has its time
+    assert sorted({e.step for e in run.history.events("step", 0)}) == list(range(16))
+
+
 # Compared with one process that sees both ranks' batches (tests/test_gpu.py runs the
 # same paths on however many GPUs there are).
 two_gpus = pytest.mark.skipif(cuda_device_count() < 2,

@@ -29,12 +29,18 @@ def dataset():
     return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long())
 
 
-def train(ctx, lr=1e-2, batch_size=16, epochs=1):
+def schedule(opt):
+    """The LR scheduler the scheduled workloads use: halve the rate every 2 steps."""
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def train(ctx, lr=1e-2, batch_size=16, epochs=1, scheduler=False):
     """Deterministic: the same seed and data on every rank and every strategy."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     model, opt = ctx.setup(model, opt)
+    sched = schedule(opt) if scheduler else None
     loader = ctx.dataloader(dataset(), batch_size=batch_size, shuffle=False)
     for _ in range(epochs):
         for x, y in loader:
@@ -42,16 +48,19 @@ def train(ctx, lr=1e-2, batch_size=16, epochs=1):
             ctx.backward(loss)
             opt.step()
             opt.zero_grad()
+            if sched is not None:
+                sched.step()
             ctx.log(loss=loss)
     local = {k: v.detach().clone() for k, v in getattr(model, "module", model).state_dict().items()}
     return {"rank": ctx.rank, "loss": loss.item(), "full": ctx.full_state_dict(model),
             "local": local if ctx.strategy.name.startswith("ddp") else None,
             "threads": torch.get_num_threads(), "env_rank": os.environ["RANK"],
-            "device": str(ctx.device), "world_size": ctx.world_size}
+            "device": str(ctx.device), "world_size": ctx.world_size,
+            "skipped": ctx.skipped_steps, "lr": opt.param_groups[0]["lr"]}
 
 
 def train_single(lr=1e-2, batch_size=16, world_size=2, epochs=1, precision=None,
-                 device="cpu"):
+                 device="cpu", scheduler=False):
     """The same training in one process: each step sees the union of the ranks' batches.
 
     With ``precision``, nbtrain's recipe: the model's forward under autocast, the loss on
@@ -63,6 +72,7 @@ def train_single(lr=1e-2, batch_size=16, world_size=2, epochs=1, precision=None,
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
+    sched = schedule(opt) if scheduler else None
     data = dataset()
     step = batch_size * world_size
     for _ in range(epochs):
@@ -79,6 +89,8 @@ def train_single(lr=1e-2, batch_size=16, world_size=2, epochs=1, precision=None,
                 scaler.step(opt)
                 scaler.update()
             opt.zero_grad()
+            if sched is not None:
+                sched.step()
     return {k: v.cpu() for k, v in model.state_dict().items()}
 
 

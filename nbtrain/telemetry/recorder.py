@@ -75,6 +75,11 @@ class Recorder:
         if optimizer is self._optimizers[0]:
             self._after_optimizer_step(optimizer, args, kwargs)
 
+    def step_skipped(self, optimizer: torch.optim.Optimizer) -> None:
+        """fp16's loss scaler skipped ``optimizer``'s step: it still ends a step."""
+        if self._optimizers and optimizer is self._optimizers[0]:
+            self._after_optimizer_step(optimizer, (), {})
+
     @property
     def steps_taken(self) -> int:
         return self._opt_steps
