@@ -72,3 +72,41 @@ def test_threads_split_the_cores(monkeypatch):
     assert threads_per_worker(cores * 4) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert threads_per_worker(2) is None  # the user's setting wins
+
+
+def test_more_gpus_than_the_kernel_sees_offers_cpu_ranks(gpus):
+    gpus(1)  # Colab: one GPU
+    with pytest.raises(ValueError, match=r"sees 1\. Use devices=1 .* accelerator='cpu' to run "
+                                         r"2 ranks as CPU processes"):
+        parse_devices(2, "cuda")
+
+
+def test_bf16_on_gpus_without_it_fails_before_launch_and_fp16_is_offered(gpus, monkeypatch,
+                                                                          no_leftovers):
+    import nbtrain
+    from nbtrain import strategies
+
+    gpus(2)  # Kaggle: two T4s, compute capability 7.5, no bf16
+    monkeypatch.setattr(devices, "gpu_capabilities",
+                        lambda indices: {i: ("Tesla T4", 7, 5) for i in indices})
+    plan = parse_devices(2, "cuda")
+    assert plan.gpus_without_bf16() == ["GPU 0 (Tesla T4, compute capability 7.5)",
+                                        "GPU 1 (Tesla T4, compute capability 7.5)"]
+    for precision in ("bf16", "bf16-mixed"):
+        with pytest.raises(ValueError, match=r"GPU 0 \(Tesla T4.*mixed_precision='fp16'"):
+            nbtrain.launch(lambda ctx: None, devices=2, accelerator="cuda",
+                           mixed_precision=precision, dashboard=False)
+    with pytest.raises(ValueError, match="Tesla T4"):
+        nbtrain.launch(lambda ctx: None, devices=2, accelerator="cuda", strategy="fsdp",
+                       precision="bf16-mixed", dashboard=False)
+    strategies.get("ddp", mixed_precision="fp16").check(plan)  # what T4s train with
+    strategies.get("fsdp", precision="16-mixed").check(plan)
+    monkeypatch.setattr(devices, "gpu_capabilities",
+                        lambda indices: {i: ("NVIDIA A100", 8, 0) for i in indices})
+    strategies.get("fsdp", mixed_precision="bf16").check(parse_devices(2, "cuda"))
+
+
+def test_gpu_capabilities_without_a_driver_say_nothing(monkeypatch):
+    monkeypatch.setattr(devices, "nvidia_driver_present", lambda: False)
+    assert devices.gpu_capabilities((0, 1)) == {}
+    assert parse_devices(2, "cpu").gpus_without_bf16() == []

@@ -10,7 +10,7 @@ import psutil
 import pytest
 import torch
 
-from nbtrain.launch import guards
+from nbtrain.launch import devices, guards
 from nbtrain.launch.devices import parse_devices
 
 
@@ -55,6 +55,7 @@ def _fake_child_probe() -> str | None:
 def gpu_machine(monkeypatch):
     """A CUDA build of torch with two GPUs counted through NVML; the canary runs a fake."""
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(devices, "nvidia_driver_present", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(guards, "CHILD_PROBE", _fake_child_probe)
     yield
@@ -76,6 +77,38 @@ def test_a_poisoned_child_means_spawn_with_the_true_reason(gpu_machine):
         assert guards.choose_start_method("auto") == "spawn"
     with pytest.raises(RuntimeError, match="CUDA was queried"):
         guards.choose_start_method("fork")
+
+
+def test_ranks_on_the_cpu_fork_whatever_the_kernel_did_with_cuda(gpu_machine):
+    # The CUDA guard is for ranks that will use CUDA: CPU ranks never touch it.
+    _poisoned["parent"] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert guards.choose_start_method("auto", "cpu") == "fork"
+        assert guards.choose_start_method("fork", "cpu") == "fork"
+    with pytest.warns(RuntimeWarning, match="CUDA was queried"):
+        assert guards.choose_start_method("auto", "cuda") == "spawn"
+
+
+def test_a_cuda_torch_without_a_driver_counts_no_gpu_without_asking_torch(monkeypatch):
+    """A hosted CPU session keeping the GPU image's CUDA torch: NVML is missing, and
+    torch.cuda.device_count() would fall back to the CUDA runtime and poison every later
+    fork. The count is 0 without that call, so launches fork on the CPU."""
+    def runtime_count():
+        raise AssertionError("asked torch: the CUDA runtime would poison later forks")
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(devices, "nvidia_driver_present", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", runtime_count)
+    assert devices.cuda_device_count() == 0
+    assert parse_devices("auto").accelerator == "cpu"
+    with pytest.raises(RuntimeError, match="no CUDA GPU is visible"):
+        parse_devices(2, "cuda")
+
+
+def test_the_driver_check_is_real_on_this_machine():
+    # No NVIDIA driver on CPU machines (CI); where there is one, NVML loads.
+    assert devices.nvidia_driver_present() == os.path.exists("/proc/driver/nvidia")
 
 
 def test_the_canary_is_timed_out_and_reaped(no_leftovers):

@@ -142,3 +142,19 @@ def test_declared_blocks_and_tied_weights_stay_in_one_unit():
     # the size rule alone would make wte and lm_head units of their own: one weight in two
     assert FSDP().units(model) == []  # both stay with the root
     assert FSDP(wrap=(nn.Embedding,)).units(model) == []
+
+
+@pytest.mark.parametrize("given, meant", [
+    ("16-mixed", "fp16"), ("16", "fp16"), (16, "fp16"), ("bf16-mixed", "bf16"),
+    ("32-true", None), (32, None), ("fp16", "fp16"), (None, None),
+])
+def test_lightnings_precision_names_mean_nbtrains(given, meant):
+    assert strategies.get("fsdp", mixed_precision=given).mixed_precision == meant
+    assert strategies.get("ddp", precision=given).mixed_precision == meant
+
+
+def test_pure_half_precision_is_refused_with_what_to_use():
+    with pytest.raises(ValueError, match="'16-mixed' .* or 'bf16-mixed'"):
+        strategies.get("ddp", precision="bf16-true")
+    with pytest.raises(TypeError, match="not both"):
+        strategies.get("ddp", precision="16-mixed", mixed_precision="fp16")

@@ -109,7 +109,7 @@ def _launch(fn, args, kwargs, devices, chosen, accelerator, start_method, backgr
             timeout, sinks, dashboard, resume, seed, base_seed, options) -> Run:
     plan = parse_devices(devices, accelerator)
     chosen.check(plan)
-    method = _start_method(start_method, chosen)
+    method = _start_method(start_method, chosen, plan.accelerator)
     launcher = LAUNCHERS[method]()
     payload = launcher.prepare(fn, args, kwargs, chosen)
     run = Run(getattr(fn, "__name__", "fn"), chosen, plan, method, timeout, sinks,
@@ -157,13 +157,13 @@ def _check_run_args(who: str, fn, args, kwargs, timeout, dashboard, resume, seed
             Telemetry.from_arg(telemetry), chosen)
 
 
-def _start_method(requested: str, strategy: Strategy) -> str:
+def _start_method(requested: str, strategy: Strategy, accelerator: str) -> str:
     preferred = strategy.start_method
     if preferred and requested not in ("auto", preferred):
         raise ValueError(f"strategy {strategy.name!r} means start_method={preferred!r}, but "
                          f"start_method={requested!r} was given. Use strategy='ddp' to choose "
                          "the start method freely.")
-    return choose_start_method(preferred or requested)
+    return choose_start_method(preferred or requested, accelerator)
 
 
 def _resume_path(resume) -> str | None:

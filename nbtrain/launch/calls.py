@@ -50,8 +50,8 @@ def plan(who: str, fn, args: tuple, kwargs: dict, strategy: Strategy
     for key, value in kwargs.items():
         if key in named:
             own[key] = value
-        elif key in known:
-            options[key] = value
+        elif key in known or (key == "precision" and "mixed_precision" in known):
+            options[key] = value  # precision: Lightning's name for mixed_precision
         elif takes_any:
             own[key] = value
         else:

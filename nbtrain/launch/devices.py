@@ -1,11 +1,16 @@
 """Turn ``accelerator=`` and ``devices=`` into a concrete plan, with Lightning's meanings.
 
 GPUs are counted with ``torch.cuda.device_count()``, which asks NVML and does not
-initialise CUDA in the kernel (initialising it would make forking unsafe).
+initialise CUDA in the kernel (initialising it would make forking unsafe). Where NVML is
+missing, torch falls back to the CUDA runtime, which marks every later fork as unable to
+use CUDA: so without NVIDIA's driver (a CUDA build of torch on a machine with no GPU,
+such as a hosted CPU session) the count is 0 without asking torch.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -27,6 +32,16 @@ class DevicePlan:
     def world_size(self) -> int:
         return len(self.indices)
 
+    def gpus_without_bf16(self) -> list[str]:
+        """The plan's GPUs that cannot compute in bf16 (before Ampere: T4, V100), named,
+        asked of NVML (initialising CUDA here would make forking unsafe). Empty on CPU or
+        when the driver cannot tell."""
+        if self.accelerator != "cuda":
+            return []
+        found = gpu_capabilities(self.indices)
+        return [f"GPU {i} ({name}, compute capability {major}.{minor})"
+                for i, (name, major, minor) in found.items() if major < 8]
+
     @property
     def backend(self) -> str:
         """The process group's backend. On CUDA, NCCL serves GPU tensors and gloo serves
@@ -34,14 +49,53 @@ class DevicePlan:
         return "cpu:gloo,cuda:nccl" if self.accelerator == "cuda" else "gloo"
 
 
+@functools.cache
+def nvidia_driver_present() -> bool:
+    """NVIDIA's driver is installed here (its NVML library loads)."""
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True
+
+
 def cuda_device_count() -> int:
-    """GPUs visible to this process, counted without initialising CUDA."""
-    if not torch.backends.cuda.is_built():
+    """GPUs visible to this process, counted without initialising CUDA and without
+    making later forks unable to use it."""
+    if not torch.backends.cuda.is_built() or not nvidia_driver_present():
         return 0
     try:
         return torch.cuda.device_count()
     except Exception:  # a broken driver counts as no GPU
         return 0
+
+
+def gpu_capabilities(indices) -> dict[int, tuple[str, int, int]]:
+    """``{index: (name, major, minor)}`` for the visible GPUs ``indices``, from NVML (no
+    CUDA initialisation); ``{}`` when NVML cannot tell (no driver, GPUs named by UUID in
+    ``CUDA_VISIBLE_DEVICES``)."""
+    if not nvidia_driver_present():
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        physical = None if visible is None else [int(x) for x in visible.split(",") if x.strip()]
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return {}
+        found = {}
+        for i in indices:
+            handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+            name = ctypes.create_string_buffer(96)
+            index = i if physical is None else physical[i]
+            if (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle))
+                    or nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major),
+                                                               ctypes.byref(minor))):
+                continue
+            nvml.nvmlDeviceGetName(handle, name, len(name))
+            found[i] = (name.value.decode(errors="replace"), major.value, minor.value)
+        return found
+    except (ValueError, IndexError, OSError, AttributeError):
+        return {}
 
 
 def resolve_accelerator(accelerator: str) -> Accelerator:
@@ -102,9 +156,11 @@ def parse_devices(devices: int | str | list[int] | tuple[int, ...],
         if devices < 0:
             raise ValueError(f"devices={devices} is negative; give a count >= 1, or -1 for all.")
         if acc == "cuda" and devices > available:
-            raise ValueError(f"devices={devices} asks for {devices} GPUs, but this kernel sees "
-                             f"{available}. Use devices={available} or devices=-1, or check "
-                             "CUDA_VISIBLE_DEVICES.")
+            raise ValueError(
+                f"devices={devices} asks for {devices} GPUs, but this kernel sees {available}. "
+                f"Use devices={available} (or -1 for all), or accelerator='cpu' to run "
+                f"{devices} ranks as CPU processes (gloo): the same DDP and FSDP, to learn "
+                "and test with. If there should be more GPUs, check CUDA_VISIBLE_DEVICES.")
         return DevicePlan(acc, tuple(range(devices)))
 
     if isinstance(devices, (list, tuple)):

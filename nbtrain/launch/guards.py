@@ -14,7 +14,8 @@ What the parent's own state says is not enough on a real GPU machine:
 So the check asks a forked child — the canary — what a worker would find: whether torch
 sees a bad fork, and, when the CUDA driver library is loaded in the kernel, whether
 ``cuInit`` works there. A fork of the kernel costs milliseconds; it runs only when this
-torch has CUDA.
+torch has CUDA, and only for runs whose ranks use CUDA: ranks on the CPU fork whatever
+the kernel did with CUDA.
 """
 
 from __future__ import annotations
@@ -102,14 +103,18 @@ def forked_child_cannot_use_cuda() -> str | None:
 CHILD_PROBE: Callable[[], str | None] = cuda_probe
 
 # Named checks, each returning why forking is unsafe, or None; the cheap one first.
-FORK_CHECKS: list[Callable[[], str | None]] = [torch_cuda_initialized,
+# CUDA_CHECKS apply to runs on CUDA; FORK_CHECKS to every run (tests and notebook 04 put
+# simulated reasons there).
+CUDA_CHECKS: list[Callable[[], str | None]] = [torch_cuda_initialized,
                                                forked_child_cannot_use_cuda]
+FORK_CHECKS: list[Callable[[], str | None]] = []
 
 
-def fork_unsafe_reason() -> str | None:
+def fork_unsafe_reason(accelerator: str = "cuda") -> str | None:
+    """Why forking workers for ``accelerator`` ranks is unsafe here, or None."""
     if sys.platform != "linux":
         return f"fork is not reliable on {sys.platform}"
-    for check in FORK_CHECKS:
+    for check in [*FORK_CHECKS, *(CUDA_CHECKS if accelerator == "cuda" else ())]:
         reason = check()
         if reason:
             return reason
@@ -126,8 +131,9 @@ def importing_main_in_spawned_worker() -> bool:
     return False
 
 
-def choose_start_method(requested: str) -> StartMethod:
-    """``"auto"``: fork when safe, else spawn with a one-line warning saying why."""
+def choose_start_method(requested: str, accelerator: str = "cuda") -> StartMethod:
+    """``"auto"``: fork when safe for ranks on ``accelerator``, else spawn with a one-line
+    warning saying why."""
     if requested not in START_METHODS:
         raise ValueError(f"start_method={requested!r} is not one of {START_METHODS}.")
     if importing_main_in_spawned_worker():
@@ -135,7 +141,7 @@ def choose_start_method(requested: str) -> StartMethod:
             "nbtrain: a spawned worker imports the script that started it, and the script "
             "launches workers at import. Put the launch under `if __name__ == \"__main__\":` "
             "in the script (a notebook cell is never imported again).")
-    reason = fork_unsafe_reason()
+    reason = fork_unsafe_reason(accelerator)
     if requested == "fork":
         if reason:
             raise RuntimeError(

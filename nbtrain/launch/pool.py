@@ -77,7 +77,7 @@ class RankPool:
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
         self.plan = parse_devices(devices, accelerator)
-        self.start_method = choose_start_method(start_method)
+        self.start_method = choose_start_method(start_method, self.plan.accelerator)
         self._pg_timeout = float(timeout or 600.0)
         self._handles: list[WorkerHandle] = []
         self._launcher = None

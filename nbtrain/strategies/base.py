@@ -23,6 +23,24 @@ class Host(Protocol):
 Precision = Literal["bf16", "fp16"] | None
 PRECISIONS = (None, "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Lightning's spellings of the same settings (Trainer(precision=...)).
+LIGHTNING_PRECISIONS = {"16-mixed": "fp16", "16": "fp16", 16: "fp16", "bf16-mixed": "bf16",
+                        "32-true": None, "32": None, 32: None}
+
+
+def normalize_precision(value) -> Precision:
+    """``mixed_precision`` from nbtrain's or Lightning's spelling; a ValueError otherwise."""
+    if value in PRECISIONS:
+        return value
+    if isinstance(value, (str, int)) and not isinstance(value, bool) and \
+            value in LIGHTNING_PRECISIONS:
+        return LIGHTNING_PRECISIONS[value]
+    if value in ("16-true", "bf16-true", "64-true", "64", 64, "transformer-engine"):
+        raise ValueError(f"mixed_precision={value!r}: nbtrain trains with fp32 weights and "
+                         "half-precision compute only. Use '16-mixed' (fp16, with a loss "
+                         "scaler) or 'bf16-mixed' (bf16), or None for fp32.")
+    raise ValueError(f"mixed_precision={value!r} is not one of {PRECISIONS} (Lightning's "
+                     f"'16-mixed', 'bf16-mixed' and '32-true' are understood too).")
 
 
 @dataclass
@@ -61,9 +79,7 @@ class Strategy:
         """In each rank, before the training function runs (after its process group)."""
 
     def __post_init__(self) -> None:
-        if self.mixed_precision not in PRECISIONS:
-            raise ValueError(f"mixed_precision={self.mixed_precision!r} is not one of "
-                             f"{PRECISIONS}.")
+        self.mixed_precision = normalize_precision(self.mixed_precision)
         from .activation import normalize
 
         self.activation_checkpointing = normalize(self.activation_checkpointing)
@@ -77,6 +93,14 @@ class Strategy:
         if plan.accelerator not in self.accelerators:
             raise ValueError(f"strategy {self.name!r} needs {' or '.join(self.accelerators)}, "
                              f"but the accelerator is {plan.accelerator}.")
+        if self.mixed_precision == "bf16":
+            lacking = plan.gpus_without_bf16()
+            if lacking:
+                raise ValueError(
+                    f"mixed_precision='bf16' needs GPUs from Ampere on (compute capability "
+                    f"8.0), and {', '.join(lacking)} has none: torch would emulate it, "
+                    "slowly. Use mixed_precision='fp16' ('16-mixed'): nbtrain adds the loss "
+                    "scaler fp16 needs.")
         if self.sync_batchnorm and plan.accelerator != "cuda":
             raise ValueError(
                 "sync_batchnorm=True needs GPUs: torch's SyncBatchNorm refuses CPU tensors. "

@@ -64,8 +64,14 @@ def get(strategy: str | Strategy, **options) -> Strategy:
     """A configured strategy from a registered name (or a ``Strategy`` as it is).
 
     ``options`` are the strategy's fields, e.g. ``mixed_precision="bf16"`` or, for FSDP,
-    ``wrap=(Block,)``.
+    ``wrap=(Block,)``; ``precision=`` (Lightning's name, with its values such as
+    ``"16-mixed"``) is ``mixed_precision``.
     """
+    if "precision" in options:
+        if "mixed_precision" in options:
+            raise TypeError("give precision= or mixed_precision=, not both (they are one "
+                            "setting).")
+        options["mixed_precision"] = options.pop("precision")
     if isinstance(strategy, Strategy):
         return dataclasses.replace(strategy, **options) if options else strategy
     if not isinstance(strategy, str):

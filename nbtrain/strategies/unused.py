@@ -38,11 +38,18 @@ def reduce_every_parameter(module: nn.Module) -> None:
 
 
 def _groups(module: nn.Module):
+    """Every FSDP parameter group in ``module``: torch 2.13 keeps a list per FSDP state
+    (``_fsdp_param_groups``), earlier releases one group or None (``_fsdp_param_group``)."""
     for m in module.modules():
-        state = getattr(m, "_get_fsdp_state", None)
-        if state is None:
+        get_state = getattr(m, "_get_fsdp_state", None)
+        if get_state is None:
             continue
-        yield from state()._fsdp_param_groups
+        state = get_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            one = getattr(state, "_fsdp_param_group", None)
+            groups = [one] if one is not None else []
+        yield from groups
 
 
 class UsedParameters:
