@@ -8,7 +8,7 @@
 
 from . import checkpoint, strategies
 from .context import Context
-from .errors import RunStoppedError, RunTimeoutError, WorkerError
+from .errors import RunStoppedError, RunTimeoutError, WorkerError, remember_cell_names
 from .launch import launch
 from .launch.pool import RankPool
 from .run import Run, last_run
@@ -20,6 +20,9 @@ __all__ = ["Context", "RankPool", "Run", "RunStoppedError", "RunTimeoutError",
            "StrategyPicker", "Telemetry", "WorkerError", "compare", "last_run", "launch",
            "listen", "progress", "strategies", "checkpoint"]
 __version__ = "0.1.0"
+
+remember_cell_names()  # in an IPython 7 kernel, tracebacks name cells as IPython 8's do
+
 
 
 def load_ipython_extension(ipython) -> None:

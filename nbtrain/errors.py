@@ -7,6 +7,8 @@ boundary as plain data: the rank, the original type and message, and the traceba
 
 from __future__ import annotations
 
+import contextlib
+
 import linecache
 import os
 import re
@@ -153,8 +155,43 @@ def _filename_map() -> dict[str, int]:
         return {}
     from IPython import get_ipython
 
+    remember_cell_names()
     compiler = getattr(get_ipython(), "compile", None)
     return dict(getattr(compiler, "_filename_map", None) or {})
+
+
+def remember_cell_names() -> None:
+    """Give IPython 7's compiler (Colab, Kaggle) the ``{file name: execution count}`` map
+    IPython 8 keeps: kept from now on, and guessed for the cells that ran before from the
+    history (ipykernel names a cell by a hash of its source, which the history keeps
+    without its trailing newlines)."""
+    if "IPython" not in sys.modules:
+        return
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    compiler = getattr(shell, "compile", None)
+    if compiler is None or hasattr(compiler, "_filename_map"):
+        return
+    names: dict[str, int] = {}
+    history = getattr(shell, "history_manager", None)
+    if history is not None:
+        cells = zip(history.input_hist_parsed, history.input_hist_raw, strict=False)
+        for number, (parsed, raw) in enumerate(cells):
+            for ending in ("", "\n"):
+                if number and raw:
+                    with contextlib.suppress(Exception):
+                        names[compiler.get_code_name(raw + ending, parsed + ending,
+                                                     number)] = number
+    cache = compiler.cache
+
+    def cache_naming(transformed_code, number=0, raw_code=None):
+        name = cache(transformed_code, number, raw_code)
+        names[name] = number
+        return name
+
+    compiler._filename_map = names
+    compiler.cache = cache_naming
 
 
 def _cell_frames(traceback: str) -> list[str]:

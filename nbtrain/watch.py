@@ -261,29 +261,34 @@ def _cell_parent():
         return None
     from IPython import get_ipython
 
-    shell = get_ipython()
-    pub = getattr(shell, "display_pub", None)
-    if pub is None or not hasattr(pub, "set_thread_parent"):
-        return None
-    return dict(pub.parent_header) or None
+    pub = getattr(get_ipython(), "display_pub", None)
+    header = getattr(pub, "parent_header", None)
+    return dict(header) or None if header is not None else None
 
 
 class _in_cell:
-    """Displays from this thread go to the cell ``parent`` (ipykernel's thread parent)."""
+    """Displays from this thread go to the cell ``parent``: ipykernel's thread parent, or
+    in older ipykernels (6.17: Colab, Kaggle), its one parent, set for the moment."""
 
     def __init__(self, parent):
         self.parent = parent
         self.token = None
+        self.saved = None
 
     def __enter__(self):
         if self.parent is not None:
             from IPython import get_ipython
 
             self.pub = get_ipython().display_pub
-            self.token = self.pub.set_thread_parent(self.parent)
+            if hasattr(self.pub, "set_thread_parent"):
+                self.token = self.pub.set_thread_parent(self.parent)
+            else:
+                self.saved = self.pub.parent_header
+                self.pub.parent_header = self.parent
         return self
 
     def __exit__(self, *exc):
         if self.token is not None:
             self.pub.reset_thread_parent(self.token)
-
+        elif self.saved is not None:
+            self.pub.parent_header = self.saved

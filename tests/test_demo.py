@@ -20,7 +20,10 @@ def test_demo_runs_and_writes_a_self_contained_report(tmp_path, no_leftovers):
                  "Model state per rank", "Communication per step", "Step time per rank",
                  "Logged metrics", "theory", "rank 1", "<pre>"):
         assert text in page, text
-    assert page.count("Plotly.newPlot") == 3  # comparison + one dashboard per run
+    # comparison + one dashboard per run, each drawn (plotly.js 2's own text also
+    # spells Plotly.newPlot once)
+    assert page.count('class="plotly-graph-div"') == 3
+    assert page.count("Plotly.newPlot(") >= 3
 
 
 def test_demo_help_lists_its_options():
