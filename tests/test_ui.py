@@ -5,6 +5,7 @@ real 2-rank runs."""
 from __future__ import annotations
 
 import io
+import os
 import sys
 
 import pytest
@@ -336,6 +337,28 @@ def test_fallback_selection(monkeypatch):
     assert frontend.choose_mode("text") == "text"  # explicit beats the environment
     with pytest.raises(ValueError, match="'static'"):
         frontend.choose_mode("fancy")
+
+
+def test_a_kernel_gets_the_live_widget_where_a_frontend_draws_it(monkeypatch):
+    """In a kernel: the widget in Lab and Notebook 7 (a Jupyter server's session), in
+    Colab (its own frontend draws anywidget widgets on ipywidgets 7), not under VS Code
+    or nbclient (static figures there)."""
+    import types
+
+    monkeypatch.delenv("NBTRAIN_DASHBOARD", raising=False)
+    for name in [k for k in os.environ if k.startswith(("VSCODE_", "JPY_SESSION"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(frontend, "in_kernel", lambda: True)
+    monkeypatch.setattr(frontend, "widget_manager_connected", lambda: False)
+    assert frontend.detect() == "static"  # nbclient, papermill: no frontend
+    monkeypatch.setenv("JPY_SESSION_NAME", "/work/train.ipynb")
+    assert frontend.detect() == "widget"  # JupyterLab, Notebook 7
+    monkeypatch.setenv("VSCODE_PID", "1")
+    assert frontend.detect() == "static"
+    monkeypatch.delenv("VSCODE_PID")
+    monkeypatch.delenv("JPY_SESSION_NAME")
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    assert frontend.detect() == "widget"  # Colab
 
 
 def test_missing_package_names_the_install_command(monkeypatch):

@@ -2,12 +2,13 @@
 
 Detection is conservative: the widget only when the kernel is an ipykernel, the widget
 packages import, and a widget frontend is there: either a widget manager has opened
-ipywidgets' ``jupyter.widget.control`` comm on this kernel (it does when it connects,
+ipywidgets 8's ``jupyter.widget.control`` comm on this kernel (it does when it connects,
 but the kernel only hears it if ipywidgets was imported by then), or the kernel was
 started by a Jupyter server for a notebook session (``JPY_SESSION_NAME``: JupyterLab,
-Notebook 7) and not under VS Code or Colab. nbclient, nbconvert, papermill and plain
-kernels have neither. Otherwise a static plotly figure refreshed through a display
-handle in a kernel, or text in a terminal.
+Notebook 7) and not under VS Code, or the kernel is Colab's (its own frontend renders
+anywidget widgets on its stock ipywidgets 7; anywidget turns on Colab's widget manager).
+nbclient, nbconvert, papermill and plain kernels have none of these. Otherwise a static
+plotly figure refreshed through a display handle in a kernel, or text in a terminal.
 ``NBTRAIN_DASHBOARD=widget|static|text|off`` overrides ``"auto"``.
 """
 
@@ -75,7 +76,12 @@ def jupyter_server_session() -> bool:
     if not os.environ.get("JPY_SESSION_NAME"):
         return False
     vscode = any(k.startswith("VSCODE_") for k in os.environ)
-    return not (vscode or "google.colab" in sys.modules)
+    return not (vscode or colab())
+
+
+def colab() -> bool:
+    """The kernel is Colab's (its frontend draws anywidget widgets)."""
+    return "google.colab" in sys.modules
 
 
 def has_plotly() -> bool:
@@ -121,7 +127,7 @@ def detect() -> str:
     if not has_plotly():
         _warn_once(f"nbtrain's dashboard needs plotly: {INSTALL}. Showing text progress.")
         return "text"
-    if widget_manager_connected() or jupyter_server_session():
+    if widget_manager_connected() or jupyter_server_session() or colab():
         missing = missing_widget_packages()
         if not missing:
             return "widget"

@@ -60,12 +60,19 @@ class PlotlyJS(anywidget.AnyWidget):
     _esm = traitlets.Unicode().tag(sync=True)
 
 
+# plotly.js is a UMD bundle: where the page has RequireJS (the classic Notebook, with
+# ipywidgets 7) it would register itself as an AMD module (and break RequireJS for every
+# later widget: "Mismatched anonymous define()") instead of setting window.Plotly. Hidden
+# module-scoped names make it take its global path on every page.
+_AS_GLOBAL = "const define = undefined, exports = undefined, module = undefined;\n"
+
+
 @functools.cache
 def _plotly_source() -> str:
     import plotly
 
     path = pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
-    return path.read_text(encoding="utf-8") + "\nexport default {};\n"
+    return _AS_GLOBAL + path.read_text(encoding="utf-8") + "\nexport default {};\n"
 
 
 _LOADER: PlotlyJS | None = None
