@@ -8,7 +8,6 @@ boundary as plain data: the rank, the original type and message, and the traceba
 from __future__ import annotations
 
 import contextlib
-
 import linecache
 import os
 import re
