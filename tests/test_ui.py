@@ -517,7 +517,7 @@ def test_picker_offers_what_runs_on_the_accelerator(monkeypatch):
                if deepspeed.available() or not n.startswith("deepspeed")]
     assert list(gpu.dropdown.options) == offered
     assert set(gpu.not_offered) == missing - {"fsdp_offload"}
-    assert gpu.unavailable.value == ""
+    assert (gpu.unavailable.value == "") == deepspeed.available()
     gpu.dropdown.value = "fsdp"
     assert not gpu.offload.disabled
     gpu.offload.value = True

@@ -20,6 +20,7 @@ the kernel did with CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -63,12 +64,26 @@ def cuda_probe() -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def fork_quietly():
+    """Python 3.12+ warns at every fork from a process with threads (a kernel always has
+    them: its heartbeat, iopub and control threads). nbtrain forks knowingly: its
+    children run no code that waits on another thread's lock (the reason for the
+    warning; see the rendezvous decision in docs/architecture.md), so the warning would
+    be one the user cannot act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*multi-threaded, use of fork\(\)",
+                                category=DeprecationWarning)
+        yield
+
+
 def forked_child_reason(probe: Callable[[], str | None], timeout: float = 5.0,
                         hung: str = "a forked child hung") -> str | None:
     """Fork a canary that runs ``probe``; its answer, or ``hung`` when it does not finish
     within ``timeout`` seconds (it is then killed)."""
     read, write = os.pipe()
-    pid = os.fork()
+    with fork_quietly():
+        pid = os.fork()
     if pid == 0:  # the canary: answer and leave without running anything of the parent's
         try:
             os.close(read)
@@ -131,9 +146,9 @@ def importing_main_in_spawned_worker() -> bool:
     return False
 
 
-def choose_start_method(requested: str, accelerator: str = "cuda") -> StartMethod:
-    """``"auto"``: fork when safe for ranks on ``accelerator``, else spawn with a one-line
-    warning saying why."""
+def choose_start_method(requested: str, accelerator: str | None = None) -> StartMethod:
+    """``"auto"``: fork when safe for ranks on ``accelerator`` (None: CUDA where this
+    kernel sees GPUs), else spawn with a one-line warning saying why."""
     if requested not in START_METHODS:
         raise ValueError(f"start_method={requested!r} is not one of {START_METHODS}.")
     if importing_main_in_spawned_worker():
@@ -141,6 +156,10 @@ def choose_start_method(requested: str, accelerator: str = "cuda") -> StartMetho
             "nbtrain: a spawned worker imports the script that started it, and the script "
             "launches workers at import. Put the launch under `if __name__ == \"__main__\":` "
             "in the script (a notebook cell is never imported again).")
+    if accelerator is None:
+        from .devices import cuda_device_count
+
+        accelerator = "cuda" if cuda_device_count() else "cpu"
     reason = fork_unsafe_reason(accelerator)
     if requested == "fork":
         if reason:

@@ -47,6 +47,7 @@ def start_with_context(mp_context, spec: WorkerSpec, payload: Any) -> WorkerHand
     """Start ``worker.main`` (``pool_worker.main`` for a pool's worker) with pipes from
     ``mp_context`` (a fork or a spawn context)."""
     from . import pool_worker, worker
+    from .guards import fork_quietly
 
     control_r, control_w = mp_context.Pipe(duplex=False)
     out_r, out_w = mp_context.Pipe(duplex=False)
@@ -57,7 +58,8 @@ def start_with_context(mp_context, spec: WorkerSpec, payload: Any) -> WorkerHand
     entry = pool_worker.main if spec.pool else worker.main
     process = mp_context.Process(target=entry, name=f"nbtrain-rank-{spec.rank}", args=args)
     try:
-        process.start()
+        with fork_quietly():  # Python 3.12+'s warning at a fork from a threaded kernel
+            process.start()
     except BaseException:
         cmd_w.close()
         raise

@@ -92,15 +92,29 @@ def keep(outputs: dict[str, dict]) -> None:
         widget.outputs = dict(list(kept.items())[-KEEP:])
 
 
+def show(obj, raw: bool = False, metadata: dict | None = None):
+    """IPython's ``display`` with a display id (and ``metadata``), for widgets too: on
+    ipywidgets 7 (Colab) a widget shows itself through ``_ipython_display_``, which takes
+    neither, so a later update would reach no output; its bundle is shown raw instead."""
+    from IPython.display import display
+
+    if not raw and not hasattr(obj, "_repr_mimebundle_") and hasattr(obj, "_model_id"):
+        bundle = {"text/plain": repr(obj)[:110],
+                  "application/vnd.jupyter.widget-view+json": {
+                      "version_major": 2, "version_minor": 0, "model_id": obj._model_id}}
+        handle = display(bundle, raw=True, display_id=True, metadata=metadata or {})
+        obj._handle_displayed()
+        return handle
+    return display(obj, raw=raw, display_id=True, metadata=metadata or {})
+
+
 class KeptDisplay:
     """A display whose updates reach every page showing the notebook (see the module)."""
 
     def __init__(self, obj, raw: bool = False):
-        from IPython.display import display
-
         self.slot = uuid.uuid4().hex
         self.version = 0
-        self.handle = display(obj, raw=raw, display_id=True, metadata=self._metadata())
+        self.handle = show(obj, raw=raw, metadata=self._metadata())
 
     def _metadata(self) -> dict:
         return {KEY: {"slot": self.slot, "version": self.version}}

@@ -97,12 +97,10 @@ class StrategyPicker:
         self._describe()
         self._handles = None
         if display:
-            from IPython.display import display as show
-
-            from .keeper import KeptDisplay  # anywidget, with the widgets (not on import)
+            from .keeper import KeptDisplay, show  # anywidget, with the widgets (not on import)
 
             first, second = self.static_bundles()  # the static twin: see TWIN_STYLE
-            self._handles = (show(self.widget, display_id=True),
+            self._handles = (show(self.widget),
                              KeptDisplay(first, raw=True), KeptDisplay(second, raw=True))
             mark_shown(self)
 
