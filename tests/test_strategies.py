@@ -1,4 +1,5 @@
 import pytest
+import torch
 from torch import nn
 
 from nbtrain import strategies
@@ -165,3 +166,16 @@ def test_pure_half_precision_is_refused_with_what_to_use():
         strategies.get("ddp", precision="bf16-true")
     with pytest.raises(TypeError, match="not both"):
         strategies.get("ddp", precision="16-mixed", mixed_precision="fp16")
+
+
+def test_fsdp_on_cpu_with_a_torch_whose_cpu_streams_record_no_events(monkeypatch):
+    """torch 2.6: FSDP2 on CPU ranks fails inside every worker (its CPU Stream has no
+    record_event); nbtrain says so at launch, with what runs instead."""
+    from nbtrain.strategies import fsdp
+
+    assert fsdp.cpu_streams_record_events() == hasattr(torch.cpu.Stream, "record_event")
+    monkeypatch.setattr(fsdp, "cpu_streams_record_events", lambda: False)
+    with pytest.raises(ValueError, match="needs torch 2.7 or later.*use 'ddp'"):
+        strategies.get("fsdp").check(DevicePlan("cpu", (0, 1)))
+    strategies.get("fsdp").check(DevicePlan("cuda", (0, 1)))  # GPUs: fine
+    strategies.get("ddp").check(DevicePlan("cpu", (0, 1)))

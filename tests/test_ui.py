@@ -640,3 +640,37 @@ def test_the_keeper_holds_the_last_output_of_each_recent_slot():
     assert "slot0" not in held and f"slot{keeper.KEEP + 5}" in held
     assert held["slot10"]["data"]["text/plain"] == "again"  # the newest version, kept longest
     assert list(held)[-2:] == ["slot10", "new"]
+
+
+def test_the_classic_notebook_server_is_told_by_the_kernels_parent(tmp_path, monkeypatch):
+    cmdline = tmp_path / "cmdline"
+    for words, classic in [
+            (["/usr/bin/python3", "/venv/bin/jupyter-notebook", "--no-browser"], True),
+            (["python", "-m", "nbclassic"], True), (["python", "-m", "notebook"], True),
+            (["/venv/bin/python", "/venv/bin/jupyter-lab"], False),
+            (["python", "-m", "pytest", "tests"], False)]:  # nbclient's kernels
+        cmdline.write_bytes(b"\0".join(w.encode() for w in words) + b"\0")
+        assert frontend.classic_notebook_server(str(cmdline)) is classic, words
+    monkeypatch.delenv("JPY_PARENT_PID", raising=False)
+    assert not frontend.classic_notebook_server()  # a kernel no server started
+
+
+def test_the_html_twin_draws_without_requirejs_and_inlines_plotly_once_under_classic(
+        monkeypatch):
+    import json as jsonlib
+
+    import plotly.graph_objects as go
+
+    from nbtrain.ui import fallback
+
+    body = jsonlib.loads(go.Figure(go.Scatter(y=[1, 3, 2], name="</script>")).to_json())
+    monkeypatch.setattr(fallback, "_inlined", False)
+    monkeypatch.setattr(frontend, "classic_notebook_server", lambda: False)
+    html = fallback.figure_html(body)
+    assert "nbtrain-plotlyjs\">" not in html and "require(" not in html
+    assert html.count("</script>") == 1  # the figure's own text cannot end the script
+    assert "window.Plotly.newPlot" in html and "cdn.plot.ly/plotly-" in html
+    monkeypatch.setattr(frontend, "classic_notebook_server", lambda: True)
+    first, second = fallback.figure_html(body), fallback.figure_html(body)
+    assert first.count('id="nbtrain-plotlyjs"') == 1 and len(first) > 1_000_000
+    assert "nbtrain-plotlyjs\">" not in second  # once per kernel

@@ -69,6 +69,12 @@ class FSDP(Strategy):
         if self.offload and plan.accelerator != "cuda":
             raise ValueError(f"strategy {self.name or 'fsdp'!r} offloads GPU memory to the CPU; "
                              "on the CPU there is nothing to offload. Use 'fsdp' there.")
+        if plan.accelerator == "cpu" and not cpu_streams_record_events():
+            raise ValueError(
+                f"strategy {self.name or 'fsdp'!r} on CPU ranks needs torch 2.7 or later: "
+                f"this torch ({torch.__version__}) has FSDP, but its CPU streams cannot "
+                "record the events FSDP waits on. On GPUs it runs; on the CPU use 'ddp', "
+                "or install a newer torch.")
         if self.hybrid:
             self.mesh_shape(plan.world_size)
 
@@ -189,3 +195,8 @@ class FSDP(Strategy):
 
 def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def cpu_streams_record_events() -> bool:
+    """FSDP2 on CPU ranks records events on the CPU's streams: torch 2.7 and later."""
+    return hasattr(torch.cpu.Stream, "record_event")

@@ -6,8 +6,11 @@ HTML header and one plotly figure (plotly's own mimetype, which JupyterLab, VS C
 nbconvert's HTML know) and replaces both every couple of seconds through their display
 handles. Its header shows at once; the figure comes with the first draw, on the view's
 own thread, so the workers never wait for plotly. A final figure also carries an HTML
-twin (plotly.js from its CDN), which viewers without plotly's renderer (nbviewer,
-nbconvert's HTML) show. ``TextView`` shows one progress line: through a display handle in a kernel, or
+twin, which pages and viewers without plotly's renderer show (the classic Notebook,
+nbviewer, nbconvert's HTML): it draws with the page's plotly.js (the live chart's loader
+brought it), else with a copy inlined in the notebook (``inline_plotly``: the classic
+Notebook, which has no plotly renderer, once per kernel), else from plotly's CDN; never
+through RequireJS, which plotly.js's UMD wrapper would take. ``TextView`` shows one progress line: through a display handle in a kernel, or
 on stderr in a terminal, at most every ``terminal_every`` seconds.
 """
 
@@ -38,9 +41,77 @@ def figure_bundle(fig, text: str, html: bool = True) -> dict:
     body.setdefault("config", CONFIG)
     bundle = {PLOTLY_MIME: body, "text/plain": text}
     if html:
-        bundle["text/html"] = fig.to_html(include_plotlyjs="cdn", full_html=False,
-                                          config=CONFIG)
+        bundle["text/html"] = figure_html(body)
     return bundle
+
+
+# Draws a figure with window.Plotly: the page's (the live chart's loader), else the copy
+# an earlier output inlined, else plotly.js from its CDN, evaluated with RequireJS's
+# define hidden where the page has it (plotly.js's UMD wrapper would register an AMD
+# module instead of setting window.Plotly).
+_DRAW = """<div id="%(id)s" class="plotly-graph-div" style="height:%(height)dpx; width:100%%;"></div>
+<script type="text/javascript">
+(function () {
+  var fig = %(fig)s;
+  var el = document.getElementById("%(id)s");
+  var draw = function () { window.Plotly.newPlot(el, fig.data, fig.layout, fig.config); };
+  var evaluate = function (source) {
+    new Function("define", "module", "exports", source)(undefined, undefined, undefined);
+  };
+  var fail = function () { el.textContent = "(plotly.js could not be loaded to draw this chart)"; };
+  var start = Date.now();
+  var wait = function () {
+    if (window.Plotly) return draw();
+    var inline = document.getElementById("nbtrain-plotlyjs");
+    if (inline) { evaluate(inline.textContent.split("<\\\\/script").join("</script")); return draw(); }
+    if (Date.now() - start < 3000) return setTimeout(wait, 50);
+    if (typeof window.define === "function" && window.define.amd) {
+      fetch("%(cdn)s").then(function (r) { return r.text(); })
+        .then(function (source) { evaluate(source); draw(); }).catch(fail);
+    } else {
+      var script = document.createElement("script");
+      script.src = "%(cdn)s";
+      script.onload = draw;
+      script.onerror = fail;
+      document.head.appendChild(script);
+    }
+  };
+  wait();
+})();
+</script>"""
+
+_inlined = False
+
+
+def figure_html(body: dict) -> str:
+    """The HTML twin of a figure (``fig.to_plotly_json()`` with its config)."""
+    import uuid
+
+    from plotly.offline import get_plotlyjs_version
+
+    html = _DRAW % {
+        "id": f"nbtrain-{uuid.uuid4().hex}",
+        "height": int((body.get("layout") or {}).get("height") or 450),
+        "fig": json.dumps(body).replace("</", "<\\/"),
+        "cdn": f"https://cdn.plot.ly/plotly-{get_plotlyjs_version()}.min.js",
+    }
+    return inline_plotly() + html
+
+
+def inline_plotly() -> str:
+    """plotly.js itself, for the first HTML twin of a kernel under the classic Notebook
+    (no plotly renderer there; after a kernel restart nothing else would bring it):
+    ``""`` elsewhere and after the first."""
+    global _inlined
+    from .frontend import classic_notebook_server
+
+    if _inlined or not classic_notebook_server():
+        return ""
+    _inlined = True
+    from plotly.offline import get_plotlyjs
+
+    source = get_plotlyjs().replace("</script", "<\\/script")
+    return f'<script type="text/plain" id="nbtrain-plotlyjs">{source}</script>\n'
 
 
 class StaticView(LiveView):

@@ -5,8 +5,10 @@ packages import, and a widget frontend is there: either a widget manager has ope
 ipywidgets 8's ``jupyter.widget.control`` comm on this kernel (it does when it connects,
 but the kernel only hears it if ipywidgets was imported by then), or the kernel was
 started by a Jupyter server for a notebook session (``JPY_SESSION_NAME``: JupyterLab,
-Notebook 7) and not under VS Code, or the kernel is Colab's (its own frontend renders
-anywidget widgets on its stock ipywidgets 7; anywidget turns on Colab's widget manager).
+Notebook 7) and not under VS Code, or by the classic Notebook's server (6.x, nbclassic:
+it sets no session name; its widget manager is widgetsnbextension), or the kernel is
+Colab's (its own frontend renders anywidget widgets on its stock ipywidgets 7; anywidget
+turns on Colab's widget manager).
 nbclient, nbconvert, papermill and plain kernels have none of these. Otherwise a static
 plotly figure refreshed through a display handle in a kernel, or text in a terminal.
 ``NBTRAIN_DASHBOARD=widget|static|text|off`` overrides ``"auto"``.
@@ -79,6 +81,26 @@ def jupyter_server_session() -> bool:
     return not (vscode or colab())
 
 
+CLASSIC_SERVERS = ("jupyter-notebook", "jupyter-nbclassic")
+
+
+def classic_notebook_server(cmdline_path: str | None = None) -> bool:
+    """The kernel was started by the classic Notebook's server (``jupyter notebook`` of
+    Notebook 6, or nbclassic), read from its parent's command line."""
+    pid = os.environ.get("JPY_PARENT_PID")
+    if cmdline_path is None and not pid:
+        return False
+    try:
+        with open(cmdline_path or f"/proc/{pid}/cmdline", "rb") as f:
+            words = [w.decode(errors="replace") for w in f.read().split(b"\0") if w]
+    except OSError:
+        return False
+    names = [os.path.basename(w) for w in words]
+    modules = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "-m"]
+    return any(n in CLASSIC_SERVERS for n in names) or any(
+        m in ("notebook", "nbclassic", "notebook.notebookapp") for m in modules)
+
+
 def colab() -> bool:
     """The kernel is Colab's (its frontend draws anywidget widgets)."""
     return "google.colab" in sys.modules
@@ -127,7 +149,8 @@ def detect() -> str:
     if not has_plotly():
         _warn_once(f"nbtrain's dashboard needs plotly: {INSTALL}. Showing text progress.")
         return "text"
-    if widget_manager_connected() or jupyter_server_session() or colab():
+    if (widget_manager_connected() or jupyter_server_session() or colab()
+            or classic_notebook_server()):
         missing = missing_widget_packages()
         if not missing:
             return "widget"

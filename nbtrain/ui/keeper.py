@@ -13,8 +13,9 @@ The keeper's module runs in every page whose widget manager holds its model — 
 page and any reloaded one, which restores every model from the kernel — and replaces
 each output of that page's notebook whose slot it holds at an older version, as the
 display update would have. It reaches the notebook through the widget manager's
-document context (JupyterLab, Notebook 7); where there is none it does nothing and the
-handle's update is all there is. The keeper holds the last ``KEEP`` slots' outputs.
+document context (JupyterLab, Notebook 7), or through the classic Notebook's
+``Jupyter.notebook`` (Notebook 6, with ipywidgets 7); where there is neither it does
+nothing and the handle's update is all there is. The keeper holds the last ``KEEP`` slots' outputs.
 """
 
 from __future__ import annotations
@@ -33,9 +34,39 @@ KEEP = 12
 
 _ESM = """
 const KEY = "nbtrain";
+const stale = (output, kept) => {
+  const mark = ((output && output.metadata) || {})[KEY];
+  const newer = mark && kept[mark.slot];
+  return newer && newer.metadata[KEY].version !== mark.version ? newer : null;
+};
+// The classic Notebook: each cell's output area holds its outputs as JSON; a cell with a
+// stale one is drawn again from the replaced list.
+function applyClassic(kept) {
+  const notebook = window.Jupyter && window.Jupyter.notebook;
+  if (!notebook || !notebook.get_cells) return false;
+  for (const cell of notebook.get_cells()) {
+    const area = cell.output_area;
+    if (!area || !Array.isArray(area.outputs)) continue;
+    let changed = false;
+    const outputs = area.outputs.map((output) => {
+      const newer = stale(output, kept);
+      changed = changed || newer !== null;
+      return newer || output;
+    });
+    if (changed) {
+      area.clear_output(false, true);
+      area.fromJSON(outputs);
+      notebook.set_dirty(true);
+    }
+  }
+  return true;
+}
 async function apply(model) {
   const context = model.widget_manager && model.widget_manager.context;
-  if (!context || !context.model) return;  // not a notebook page (or no access to it)
+  if (!context || !context.model) {  // not JupyterLab's document: the classic Notebook?
+    applyClassic(model.get("outputs"));
+    return;
+  }
   if (context.ready) await context.ready;
   const kept = model.get("outputs");
   const cells = context.model.cells;
@@ -43,9 +74,8 @@ async function apply(model) {
     const outputs = cells.get(c).outputs;
     if (!outputs) continue;  // a markdown or raw cell
     for (let i = 0; i < outputs.length; i++) {
-      const mark = (outputs.get(i).metadata || {})[KEY];
-      const output = mark && kept[mark.slot];
-      if (output && output.metadata[KEY].version !== mark.version) outputs.set(i, output);
+      const newer = stale(outputs.get(i), kept);
+      if (newer) outputs.set(i, newer);
     }
   }
 }

@@ -53,22 +53,25 @@ def _free_port() -> int:
 
 @contextmanager
 def server(root: Path, notebook: str, app: str = "lab"):
-    """A Jupyter server of ``app`` ("lab" or "notebook", Notebook 7) on loopback; yields
-    the URL of ``notebook`` in it. The server and every kernel it started are gone
-    afterwards."""
+    """A Jupyter server of ``app`` ("lab", "notebook": Notebook 7, or "classic": the
+    Notebook 6.5 Colab's stack pins, with ipywidgets 7) on loopback; yields the URL of
+    ``notebook`` in it. The server and every kernel it started are gone afterwards."""
     port, token = _free_port(), secrets.token_hex(16)
     env = {**os.environ, "NBTRAIN_TESTS": str(TESTS), "JUPYTER_CONFIG_DIR": str(root / "cfg"),
            "JUPYTER_RUNTIME_DIR": str(root / "rt")}
     env.pop("PYTEST_CURRENT_TEST", None)
     env.pop("NBTRAIN_DASHBOARD", None)
     log = open(root / f"{app}.log", "w")
-    options = (["--LabApp.news_url=", "--LabApp.check_for_updates_class="
-                "jupyterlab.NeverCheckForUpdate", "--LabApp.expose_app_in_browser=True"]
-               if app == "lab" else ["--JupyterNotebookApp.expose_app_in_browser=True"])
+    if app == "classic":  # Notebook 6: its own server and option names
+        options = [f"--NotebookApp.token={token}", f"--NotebookApp.notebook_dir={root}"]
+    else:
+        options = [f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"] + (
+            ["--LabApp.news_url=", "--LabApp.check_for_updates_class="
+             "jupyterlab.NeverCheckForUpdate", "--LabApp.expose_app_in_browser=True"]
+            if app == "lab" else ["--JupyterNotebookApp.expose_app_in_browser=True"])
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", app, "--no-browser", "--ip=127.0.0.1",
-         f"--port={port}", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={root}", *options]
+        [sys.executable, "-m", "jupyter", "notebook" if app == "classic" else app,
+         "--no-browser", "--ip=127.0.0.1", f"--port={port}", *options]
         + (["--allow-root"] if os.geteuid() == 0 else []),
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
