@@ -121,7 +121,27 @@ class Kernel:
                 return reply
 
     def run(self, code: str, timeout: float = 180) -> Reply:
-        return self.collect(self.submit(code), timeout)
+        for _ in range(5):
+            msg_id = self.submit(code)
+            reply = self.collect(msg_id, timeout)
+            if not self._aborted(msg_id):
+                return reply
+            # ipykernel 6 (Colab's, Kaggle's) aborts a request that arrives in the moment
+            # after a failed cell, before it stops aborting; a person is never that quick
+            time.sleep(0.2)
+        return reply
+
+    def _aborted(self, msg_id: str) -> bool:
+        """Whether the shell's reply to ``msg_id`` says the kernel aborted it."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                msg = self.kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+            except Empty:
+                return False
+            if msg["parent_header"].get("msg_id") == msg_id:
+                return msg["content"].get("status") == "aborted"
+        return False
 
     def value(self, expr: str):
         reply = self.run(expr)

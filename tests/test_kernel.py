@@ -97,8 +97,8 @@ def test_a_worker_traceback_names_the_cell_and_shows_once(k, kernel_clean, start
     assert "ipykernel_" not in text
     assert text.count(", in failing") == 1  # once
     assert "nbtrain/launch" not in text and "run.py" not in text  # no kernel-side internals
-    # the launching line (IPython 7 names the frame <cell line: 0>)
-    assert re.search(r"Cell In\[\d+\], line 1, in (<module>|<cell line: 0>)", text)
+    # the launching line (IPython 7 may name the frame <cell line: 0>)
+    assert re.search(r"Cell In\[\d+\], line 1, in <(module|cell line: \d+)>", text), text
 
 
 def test_a_traceback_the_view_shows_is_not_repeated(k, kernel_clean):

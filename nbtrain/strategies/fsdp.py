@@ -12,6 +12,7 @@ Tied parameters always stay in one unit (``blocks.untie_units``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -69,12 +70,14 @@ class FSDP(Strategy):
         if self.offload and plan.accelerator != "cuda":
             raise ValueError(f"strategy {self.name or 'fsdp'!r} offloads GPU memory to the CPU; "
                              "on the CPU there is nothing to offload. Use 'fsdp' there.")
-        if plan.accelerator == "cpu" and not cpu_streams_record_events():
+        if plan.accelerator == "cpu" and not cpu_fsdp_works():
+            floor = ".".join(map(str, CPU_FSDP_TORCH))
             raise ValueError(
-                f"strategy {self.name or 'fsdp'!r} on CPU ranks needs torch 2.7 or later: "
-                f"this torch ({torch.__version__}) has FSDP, but its CPU streams cannot "
-                "record the events FSDP waits on. On GPUs it runs; on the CPU use 'ddp', "
-                "or install a newer torch.")
+                f"strategy {self.name or 'fsdp'!r} on CPU ranks needs torch {floor} or "
+                f"later: this torch ({torch.__version__}) has FSDP, but on CPU ranks it "
+                "fails (2.6: its CPU streams record no events) or trains other weights than "
+                "one process (2.7). On GPUs it runs; on the CPU use 'ddp', or install a "
+                "newer torch.")
         if self.hybrid:
             self.mesh_shape(plan.world_size)
 
@@ -197,6 +200,12 @@ def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def cpu_streams_record_events() -> bool:
-    """FSDP2 on CPU ranks records events on the CPU's streams: torch 2.7 and later."""
-    return hasattr(torch.cpu.Stream, "record_event")
+# The first torch whose FSDP2 trains on CPU ranks (gloo) what one process trains, as
+# the hosted-stack legs measured: 2.6 fails in every worker, 2.7 trains other weights.
+CPU_FSDP_TORCH = (2, 8)
+
+
+def cpu_fsdp_works(version: str | None = None) -> bool:
+    """Does this torch's FSDP2 train on CPU ranks as one process does?"""
+    release = re.match(r"(\d+)\.(\d+)", version or torch.__version__)
+    return release is not None and tuple(map(int, release.groups())) >= CPU_FSDP_TORCH
