@@ -168,14 +168,14 @@ def test_pure_half_precision_is_refused_with_what_to_use():
 
 
 def test_fsdp_on_cpu_ranks_with_a_torch_whose_fsdp_cannot_says_so_at_launch(monkeypatch):
-    """torch 2.6's FSDP2 fails in every CPU worker (no CPU stream events) and 2.7's trains
-    other weights than one process: nbtrain says so before anything starts."""
+    """torch 2.6's FSDP2 fails in every CPU worker (no CPU stream events), 2.7's and 2.8's
+    train other weights than one process: nbtrain says so before anything starts."""
     from nbtrain.strategies import fsdp
 
-    assert [fsdp.cpu_fsdp_works(v) for v in ("2.6.0+cu124", "2.7.1", "2.8.0", "2.13.0",
+    assert [fsdp.cpu_fsdp_works(v) for v in ("2.6.0+cu124", "2.8.0", "2.9.1", "2.13.0",
                                               "3.0.0a0")] == [False, False, True, True, True]
     monkeypatch.setattr(fsdp, "cpu_fsdp_works", lambda: False)
-    with pytest.raises(ValueError, match=r"needs torch 2\.8 or later.*use 'ddp'"):
+    with pytest.raises(ValueError, match=r"needs torch 2\.9 or later.*use 'ddp'"):
         strategies.get("fsdp").check(DevicePlan("cpu", (0, 1)))
     strategies.get("fsdp").check(DevicePlan("cuda", (0, 1)))  # GPUs: fine
     strategies.get("ddp").check(DevicePlan("cpu", (0, 1)))

@@ -76,7 +76,7 @@ class FSDP(Strategy):
                 f"strategy {self.name or 'fsdp'!r} on CPU ranks needs torch {floor} or "
                 f"later: this torch ({torch.__version__}) has FSDP, but on CPU ranks it "
                 "fails (2.6: its CPU streams record no events) or trains other weights than "
-                "one process (2.7). On GPUs it runs; on the CPU use 'ddp', or install a "
+                "one process (2.7, 2.8). On GPUs it runs; on the CPU use 'ddp', or install a "
                 "newer torch.")
         if self.hybrid:
             self.mesh_shape(plan.world_size)
@@ -201,8 +201,8 @@ def _count(module: nn.Module) -> int:
 
 
 # The first torch whose FSDP2 trains on CPU ranks (gloo) what one process trains, as
-# the hosted-stack legs measured: 2.6 fails in every worker, 2.7 trains other weights.
-CPU_FSDP_TORCH = (2, 8)
+# the legs measured: 2.6 fails in every worker, 2.7 and 2.8 train other weights.
+CPU_FSDP_TORCH = (2, 9)
 
 
 def cpu_fsdp_works(version: str | None = None) -> bool:
