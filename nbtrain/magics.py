@@ -10,8 +10,7 @@
 
 Each rank keeps its own namespace across cells, with ``rank``, ``world_size``,
 ``device``, ``dist`` and ``torch`` defined. ``--timeout S`` ends a cell that runs longer
-(a hung collective) and names the ranks still in it. Only this module imports IPython;
-the workers never do.
+(a hung collective) and names the ranks still in it. The workers never import IPython.
 """
 
 from __future__ import annotations
