@@ -104,8 +104,11 @@ def test_forced_widget_stays_within_the_message_budget(setup, kernel_clean):
         assert kept[mark["slot"]]["metadata"]["nbtrain"]["version"] == mark["version"] == 1
     points = setup.value("run.history.__len__() > 1000")
     assert points
-    time.sleep(3)  # and the widgets are gone, a moment after their views
-    assert setup.value(WIDGETS_ALIVE) == before
+    time.sleep(3)  # and the widgets are gone, a moment after their views (on ipywidgets
+    # 7 the live chart and its layout stay, emptied: widgetsnbextension 3.6 throws when
+    # it is closed)
+    seven = setup.value("__import__('ipywidgets').__version__.startswith('7.')")
+    assert setup.value(WIDGETS_ALIVE) == before + 2 * seven
 
 
 def test_failure_shows_in_the_view_then_raises(setup, kernel_clean):

@@ -209,8 +209,14 @@ class Dashboard(LiveView):
 
     def _close_widgets(self) -> None:
         """Close every widget this view made, with their layouts and styles (each is a
-        widget of its own, with its own comm)."""
-        for w in [*self._made, self.figure]:
+        widget of its own, with its own comm). On ipywidgets 7 the live chart is emptied
+        instead: closing an anywidget whose view its replaced output already removed
+        throws in widgetsnbextension 3.6 (a second remove of the view)."""
+        figure = self.figure
+        if figure is not None and not hasattr(require_widgets().Widget, "_repr_mimebundle_"):
+            figure.data = []  # it and its layout stay: a reloaded page restores them
+            figure = None
+        for w in [*self._made, figure]:
             for part in (w, getattr(w, "layout", None), getattr(w, "style", None)):
                 if part is not None:
                     try:
