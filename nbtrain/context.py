@@ -542,15 +542,20 @@ class _ScaledOptimizer(torch.optim.Optimizer):
         self.scaler = scaler
         self.on_skip = on_skip
         self.skipped = 0
+        self._stepped = False  # the scaler let the wrapped optimizer step (no extra sync)
+        optimizer.register_step_post_hook(self._note_step)
+
+    def _note_step(self, optimizer, args, kwargs) -> None:
+        self._stepped = True
 
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("fp16 training with a closure is not supported; call "
                              "optimizer.step() without one.")
-        scale = self.scaler.get_scale()
+        self._stepped = False
         result = self.scaler.step(self.optimizer)
         self.scaler.update()
-        if self.scaler.get_scale() < scale:  # the scaler backs off only after inf/nan
+        if not self._stepped:  # inf/nan in the gradients: the scaler skipped the step
             self.skipped += 1
             if self.on_skip is not None:
                 self.on_skip(self.optimizer)

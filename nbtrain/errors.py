@@ -177,11 +177,12 @@ def remember_cell_names() -> None:
     if history is not None:
         cells = zip(history.input_hist_parsed, history.input_hist_raw, strict=False)
         for number, (parsed, raw) in enumerate(cells):
+            if not (number and raw):
+                continue
             for ending in ("", "\n"):
-                if number and raw:
-                    with contextlib.suppress(Exception):
-                        names[compiler.get_code_name(raw + ending, parsed + ending,
-                                                     number)] = number
+                with contextlib.suppress(Exception):
+                    names[compiler.get_code_name(raw + ending, parsed + ending,
+                                                 number)] = number
     cache = compiler.cache
 
     def cache_naming(transformed_code, number=0, raw_code=None):

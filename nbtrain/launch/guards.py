@@ -32,6 +32,8 @@ from typing import Literal
 
 import torch
 
+from .devices import cuda_device_count
+
 StartMethod = Literal["fork", "spawn"]
 START_METHODS = ("auto", "fork", "spawn")
 
@@ -157,8 +159,6 @@ def choose_start_method(requested: str, accelerator: str | None = None) -> Start
             "launches workers at import. Put the launch under `if __name__ == \"__main__\":` "
             "in the script (a notebook cell is never imported again).")
     if accelerator is None:
-        from .devices import cuda_device_count
-
         accelerator = "cuda" if cuda_device_count() else "cpu"
     reason = fork_unsafe_reason(accelerator)
     if requested == "fork":

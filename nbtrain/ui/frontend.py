@@ -86,9 +86,10 @@ CLASSIC_SERVERS = ("jupyter-notebook", "jupyter-nbclassic")
 
 def classic_notebook_server(cmdline_path: str | None = None) -> bool:
     """The kernel was started by the classic Notebook's server (``jupyter notebook`` of
-    Notebook 6, or nbclassic), read from its parent's command line."""
+    Notebook 6, or nbclassic), read from its parent's command line. Notebook 7 has the
+    same command but runs on jupyter_server, which names the session."""
     pid = os.environ.get("JPY_PARENT_PID")
-    if cmdline_path is None and not pid:
+    if cmdline_path is None and (not pid or os.environ.get("JPY_SESSION_NAME")):
         return False
     try:
         with open(cmdline_path or f"/proc/{pid}/cmdline", "rb") as f:
