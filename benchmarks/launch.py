@@ -8,12 +8,20 @@ kernels are alive at the same time and take turns, so load on the machine falls 
 launcher alike. Ratios are to Lightning's
 ``Trainer(strategy="ddp_notebook")``, the usual way to train from a notebook.
 
+  nbtrain (default)         start_method="auto" in a fresh kernel: fork
+  nbtrain after CUDA        the default once a cell has touched CUDA (simulated on CPU
+                            with a fork check that says so, as the tests do): fork server
+  nbtrain spawn             start_method="spawn": a new interpreter per rank
+  nbtrain pool              a RankPool made at the first launch, then pool.launch
+
   import:         the library's own import (torch is imported already)
   first launch:   the kernel's first launch after the import, to rank 0's first step
   sum:            both: what a user waits for in a fresh kernel (a library that warms
                   up at import pays there, nbtrain pays at its first launch)
   call -> step:   later launches, from the call until rank 0 starts its first step
   call -> error:  later launches, until the call raises, the last rank having raised at once
+
+Later launches print their median and, in brackets, the lowest and highest of the runs.
 
     python benchmarks/launch.py [--repeats 5]
     python benchmarks/launch.py --accelerator cuda     # on a GPU machine
@@ -82,11 +90,24 @@ def train(ctx, fail):
 def measure(fail):
     t = time.monotonic()
     try:
-        nbtrain.launch(train, fail, devices=DEVICES, accelerator=ACC,
-                       start_method=METHOD)
+        if METHOD == "pool":
+            global POOL
+            if POOL is None:
+                POOL = nbtrain.RankPool(devices=DEVICES, accelerator=ACC)
+            POOL.launch(train, fail)
+        else:
+            nbtrain.launch(train, fail, devices=DEVICES, accelerator=ACC,
+                           start_method=METHOD)
     except nbtrain.WorkerError:
         return time.monotonic() - t
     return since(t)
+"""
+
+# After a cell touched CUDA, fork is unsafe and the default starts ranks from the fork
+# server. On a CPU machine the guard is told so, the way the tests simulate it.
+CUDA_TOUCHED = """
+from nbtrain.launch import guards
+guards.FORK_CHECKS.append(lambda: "CUDA was initialised in this kernel (simulated)")
 """
 
 LIGHTNING = """
@@ -148,7 +169,8 @@ def measure(fail):
 
 BASE = "Lightning ddp_notebook"
 # Each library's own import (torch is imported already), timed in its kernel.
-IMPORTS = {"nbtrain fork": "import nbtrain", "nbtrain spawn": "import nbtrain",
+NBTRAIN_ROWS = ("nbtrain (default)", "nbtrain after CUDA", "nbtrain spawn", "nbtrain pool")
+IMPORTS = {**{name: "import nbtrain" for name in NBTRAIN_ROWS},
            BASE: "import lightning as L",
            "accelerate notebook_launcher": "from accelerate import Accelerator, notebook_launcher"}
 
@@ -162,8 +184,10 @@ def _available(module: str) -> bool:
 
 
 def contenders() -> dict[str, str]:
-    found = {"nbtrain fork": "METHOD = 'fork'\n" + NBTRAIN,
-             "nbtrain spawn": "METHOD = 'spawn'\n" + NBTRAIN}
+    found = {"nbtrain (default)": "METHOD = 'auto'\n" + NBTRAIN,
+             "nbtrain after CUDA": "METHOD = 'auto'\n" + CUDA_TOUCHED + NBTRAIN,
+             "nbtrain spawn": "METHOD = 'spawn'\n" + NBTRAIN,
+             "nbtrain pool": "METHOD = 'pool'; POOL = None\n" + NBTRAIN}
     if _available("lightning"):
         found[BASE] = LIGHTNING
     if _available("accelerate"):
@@ -237,24 +261,35 @@ def main() -> None:
                 kernel.shutdown()
     med = {name: {k: statistics.median(v) for k, v in t.items()}
            for name, t in times.items() if name not in hung}
-    base = BASE if BASE in med else "nbtrain fork"
+    base = BASE if BASE in med else "nbtrain (default)"
     ranks = (f"{n} ranks on CPU (gloo)" if args.accelerator == "cpu" else
              f"{n} x {torch.cuda.get_device_name(0)} (NCCL)")
     print(f"\nIn a Jupyter kernel each: {ranks}, 0.92M-parameter MLP + AdamW, "
-          f"defaults on; {os.cpu_count()} cores, torch {torch.__version__}; median of "
-          f"{args.repeats} later launches; ratios to {base}")
-    print(f"{'launcher':30s} {'import':>7s} {'first launch':>12s} {'sum':>7s} {'ratio':>6s} "
-          f"{'call->step':>11s} {'ratio':>6s} {'call->error':>12s} {'ratio':>6s}")
+          f"defaults on; {os.cpu_count()} cores, torch {torch.__version__}; later launches: "
+          f"median [lowest-highest] of {args.repeats}; ratios to {base}")
+    print(f"{'launcher':29s} {'import':>7s} {'first':>7s} {'sum':>7s} {'ratio':>5s} "
+          f"{'call->step':>22s} {'ratio':>5s} {'call->error':>22s} {'ratio':>5s}")
     fresh = {name: imported[name] + first[name] for name in med}
+
+    def cell(values: list[float]) -> str:
+        return (f"{statistics.median(values):6.3f}s "
+                f"[{min(values):.3f}-{max(values):.3f}]")
+
     for name in codes:
         if name in hung:
-            print(f"{name:30s} hung: a {hung[name]} launch gave no reply in {args.timeout:.0f} s "
+            print(f"{name:29s} hung: a {hung[name]} launch gave no reply in {args.timeout:.0f} s "
                   "(its kernel and ranks killed; no numbers)")
             continue
         step, error = med[name]["step"], med[name]["error"]
-        print(f"{name:30s} {imported[name]:6.3f}s {first[name]:11.3f}s {fresh[name]:6.3f}s "
-              f"{fresh[name] / fresh[base]:6.2f} {step:10.3f}s {step / med[base]['step']:6.2f} "
-              f"{error:11.3f}s {error / med[base]['error']:6.2f}")
+        print(f"{name:29s} {imported[name]:6.3f}s {first[name]:6.3f}s {fresh[name]:6.3f}s "
+              f"{fresh[name] / fresh[base]:5.2f} {cell(times[name]['step']):>22s} "
+              f"{step / med[base]['step']:5.2f} {cell(times[name]['error']):>22s} "
+              f"{error / med[base]['error']:5.2f}")
+    if "nbtrain after CUDA" in med:
+        after = med["nbtrain after CUDA"]["step"] / med["nbtrain (default)"]["step"]
+        print(f"after CUDA, warm call->step: {after:.2f}x the fork path")
+    if "nbtrain pool" in codes:
+        print("(the pool's first launch includes starting the pool)")
     missing = [n for n in ("lightning", "accelerate") if not _available(n)]
     if missing:
         print(f"(not installed, skipped: {', '.join(missing)}; pip install -e \".[dev]\")")

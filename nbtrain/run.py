@@ -282,7 +282,8 @@ class Run:
                     self.rank_status[rank] = "stopped"
             self.rank_status[root.rank] = "failed"
             hint = root.hint
-            if (not hint and root.exc_type == "WorkerExit" and self.start_method == "spawn"
+            if (not hint and root.exc_type == "WorkerExit"
+                    and self.start_method in ("spawn", "forkserver")
                     and workers[root.rank].exitcode == 1):
                 hint = ("A spawned worker that exits with code 1 and no report usually failed "
                         "while starting, before your function ran; its own traceback is "

@@ -34,6 +34,9 @@ class WorkerSpec:
     seed: int = 0  # the launch's base seed; this rank starts from seed + rank (seeding.py)
     data_seed: int = 0  # ctx.dataloader's shuffle seed, the same on every rank
     pool: bool = False  # a RankPool worker: wait for commands instead of running one function
+    # A worker forked by the fork server takes the kernel's environment of its launch
+    # (the server holds the one of its own start); None: the process's own is right.
+    environ_of_kernel: dict[str, str] | None = None
 
     def environ(self) -> dict[str, str]:
         env = {

@@ -24,9 +24,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def descendants(pid: int) -> list[psutil.Process]:
+def fork_server(p: psutil.Process) -> bool:
+    """nbtrain's fork server, kept for the kernel's life by design (its workers are not)."""
     try:
-        return psutil.Process(pid).children(recursive=True)
+        return "multiprocess.forkserver import main" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    """Every process under ``pid`` but nbtrain's fork server (its children count)."""
+    try:
+        return [p for p in psutil.Process(pid).children(recursive=True) if not fork_server(p)]
     except psutil.NoSuchProcess:
         return []
 

@@ -22,8 +22,9 @@ def test_cpu_kernel_forks():
         assert guards.choose_start_method("auto") == "fork"
     assert guards.choose_start_method("fork") == "fork"
     assert guards.choose_start_method("spawn") == "spawn"
-    with pytest.raises(ValueError, match="start_method='forkserver'"):
-        guards.choose_start_method("forkserver")
+    assert guards.choose_start_method("forkserver") == "forkserver"
+    with pytest.raises(ValueError, match="start_method='forkserve'"):
+        guards.choose_start_method("forkserve")
 
 
 @pytest.fixture
@@ -33,13 +34,14 @@ def cuda_initialised(monkeypatch):
                         [lambda: "the CUDA driver is initialised in this kernel (simulated)"])
 
 
-def test_auto_falls_back_to_spawn_with_a_reason(cuda_initialised):
-    with pytest.warns(RuntimeWarning, match="using spawn instead of fork because the CUDA"):
-        assert guards.choose_start_method("auto") == "spawn"
+def test_auto_falls_back_to_the_fork_server_with_a_reason(cuda_initialised):
+    with pytest.warns(RuntimeWarning, match="from a fork server instead of forking the kernel, "
+                                            "because the CUDA"):
+        assert guards.choose_start_method("auto") == "forkserver"
 
 
 def test_forced_fork_refuses_with_the_remedy(cuda_initialised):
-    with pytest.raises(RuntimeError, match="Restart the kernel .* start_method='spawn'"):
+    with pytest.raises(RuntimeError, match="Restart the kernel .* start_method='forkserver'"):
         guards.choose_start_method("fork")
 
 
@@ -75,8 +77,8 @@ def test_counting_gpus_keeps_fork(gpu_machine):
 def test_a_poisoned_child_means_spawn_with_the_true_reason(gpu_machine):
     _poisoned["parent"] = True  # what torch.cuda.is_available() would have done
     assert not _poisoned["child"]  # the parent itself is not marked: only its children
-    with pytest.warns(RuntimeWarning, match=r"spawn instead of fork because CUDA was queried"):
-        assert guards.choose_start_method("auto") == "spawn"
+    with pytest.warns(RuntimeWarning, match=r"fork server .* because CUDA was queried"):
+        assert guards.choose_start_method("auto") == "forkserver"
     with pytest.raises(RuntimeError, match="CUDA was queried"):
         guards.choose_start_method("fork")
 
@@ -89,7 +91,7 @@ def test_ranks_on_the_cpu_fork_whatever_the_kernel_did_with_cuda(gpu_machine):
         assert guards.choose_start_method("auto", "cpu") == "fork"
         assert guards.choose_start_method("fork", "cpu") == "fork"
     with pytest.warns(RuntimeWarning, match="CUDA was queried"):
-        assert guards.choose_start_method("auto", "cuda") == "spawn"
+        assert guards.choose_start_method("auto", "cuda") == "forkserver"
 
 
 def test_a_cuda_torch_without_a_driver_counts_no_gpu_without_asking_torch(monkeypatch):

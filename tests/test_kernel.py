@@ -60,7 +60,7 @@ def k(kernel):
     return kernel
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
 def test_cell_defined_function_runs_and_returns(k, kernel_clean, start_method):
     reply = k.run(f"""
         run = nbtrain.launch(cell_fn, 2, devices=2, start_method="{start_method}")
@@ -85,7 +85,7 @@ def _plain(reply) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(reply.error["traceback"]))
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
 def test_a_worker_traceback_names_the_cell_and_shows_once(k, kernel_clean, start_method):
     reply = k.run(f"nbtrain.launch(failing, devices=2, dashboard=False, "
                   f"start_method='{start_method}')")

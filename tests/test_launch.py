@@ -343,7 +343,7 @@ def test_sync_batchnorm_on_cpu_says_what_it_needs():
         nbtrain.launch(takes_lr, devices=2, accelerator="cpu", sync_batchnorm=True)
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
 def test_a_function_written_for_torchrun_runs_as_it_is(start_method):
     from workloads import torchrun_style
 

@@ -1,4 +1,4 @@
-"""The seeding rule: the same for fork and spawn, different per rank, fresh per launch,
+"""The seeding rule: the same for fork, the fork server and spawn, different per rank, fresh per launch,
 reproducible with ``launch(seed=N)``."""
 
 from __future__ import annotations
@@ -58,7 +58,16 @@ def test_fork_and_spawn_give_the_same_streams_for_the_same_seed():
     assert sorted(r0["order"] + r1["order"]) == list(range(16))
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_the_fork_server_gives_the_streams_fork_gives():
+    forked, served = launch("fork", seed=77), launch("forkserver", seed=77)
+    assert served.start_method == "forkserver"
+    for f, s in zip(forked.results, served.results):
+        torch.testing.assert_close(f["torch"], s["torch"], rtol=0, atol=0)
+        assert (f["random"], f["numpy"], f["seed"], f["order"]) == \
+            (s["random"], s["numpy"], s["seed"], s["order"])
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
 def test_without_a_seed_ranks_and_launches_differ(start_method):
     torch.manual_seed(0)  # the kernel's own state must not leak into forked ranks
     first, second = launch(start_method), launch(start_method)

@@ -1,5 +1,5 @@
 """How workers start, run and end: ``launch()`` checks its arguments, picks a launcher
-(fork or spawn), starts one worker per device and hands them to a supervisor."""
+(fork, fork server or spawn), starts one worker per device and hands them to a supervisor."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from ..telemetry.sinks import Sink
 from . import calls
 from .devices import parse_devices, threads_per_worker
 from .fork import ForkLauncher
+from .forkserver import ForkServerLauncher
 from .guards import choose_start_method, fork_threads
 from .launcher import Launcher, interrupts_deferred
 from .spawn import SpawnLauncher
@@ -30,7 +31,8 @@ from .torchrun import run_in_process
 
 __all__ = ["launch"]
 
-LAUNCHERS: dict[str, type[Launcher]] = {"fork": ForkLauncher, "spawn": SpawnLauncher}
+LAUNCHERS: dict[str, type[Launcher]] = {"fork": ForkLauncher, "forkserver": ForkServerLauncher,
+                                        "spawn": SpawnLauncher}
 _HOST = "127.0.0.1"
 
 
@@ -57,8 +59,10 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
         strategy: a registered name (``nbtrain.strategies.names()``) or a Strategy,
             e.g. ``nbtrain.strategies.get("fsdp", mixed_precision="bf16")``.
         accelerator: ``"auto"``, ``"cuda"`` or ``"cpu"`` (gloo processes).
-        start_method: ``"auto"`` (fork when safe, else spawn with a warning), ``"fork"``
-            or ``"spawn"``.
+        start_method: ``"auto"`` (fork when safe, else the fork server, with a warning
+            saying why), ``"fork"`` (workers are copies of the kernel), ``"forkserver"``
+            (forked from a clean process that has imported torch; the first launch starts
+            it, later ones are warm) or ``"spawn"`` (a new interpreter per worker).
         background: return the ``Run`` at once instead of blocking until it ends.
         timeout: seconds after which the run is ended and an error names the ranks still
             running (a hang in a collective, for instance).

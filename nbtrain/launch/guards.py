@@ -1,4 +1,4 @@
-"""Checks that run before anything starts, and the choice between fork and spawn.
+"""Checks that run before anything starts, and the choice of start method.
 
 A forked child of a process whose CUDA is initialised cannot use CUDA: it dies with
 "Cannot re-initialize CUDA in forked subprocess" (torch) or gets errors from the driver.
@@ -34,8 +34,8 @@ import torch
 
 from .devices import cuda_device_count
 
-StartMethod = Literal["fork", "spawn"]
-START_METHODS = ("auto", "fork", "spawn")
+StartMethod = Literal["fork", "forkserver", "spawn"]
+START_METHODS = ("auto", "fork", "forkserver", "spawn")
 
 
 def torch_cuda_initialized() -> str | None:
@@ -150,7 +150,8 @@ def importing_main_in_spawned_worker() -> bool:
 
 def choose_start_method(requested: str, accelerator: str | None = None) -> StartMethod:
     """``"auto"``: fork when safe for ranks on ``accelerator`` (None: CUDA where this
-    kernel sees GPUs), else spawn with a one-line warning saying why."""
+    kernel sees GPUs), else the fork server (``forkserver.py``) with a one-line warning
+    saying why."""
     if requested not in START_METHODS:
         raise ValueError(f"start_method={requested!r} is not one of {START_METHODS}.")
     if importing_main_in_spawned_worker():
@@ -166,14 +167,15 @@ def choose_start_method(requested: str, accelerator: str | None = None) -> Start
             raise RuntimeError(
                 f"start_method='fork' is unsafe here: {reason}. Forked workers would fail with "
                 "'Cannot re-initialize CUDA in forked subprocess'. Restart the kernel and launch "
-                "before touching CUDA, or pass start_method='spawn' (slower to start, but safe).")
+                "before touching CUDA, or pass start_method='forkserver' (safe, and warm after "
+                "its first launch).")
         return "fork"
-    if requested == "spawn":
-        return "spawn"
+    if requested in ("spawn", "forkserver"):
+        return requested
     if reason:
-        warnings.warn(f"nbtrain: using spawn instead of fork because {reason}.",
-                      RuntimeWarning, stacklevel=3)
-        return "spawn"
+        warnings.warn(f"nbtrain: starting workers from a fork server instead of forking the "
+                      f"kernel, because {reason}.", RuntimeWarning, stacklevel=3)
+        return "forkserver"
     return "fork"
 
 

@@ -52,13 +52,17 @@ class SpawnLauncher:
         return serialize(fn, args, kwargs, strategy, "spawned workers",
                          "or use start_method='fork'")
 
-    def start(self, spec: WorkerSpec, payload: Any) -> WorkerHandle:
+    def _count(self) -> None:
+        """This launcher's runs keep the tracker alive until ``close``."""
         with SpawnLauncher._lock:
             if not self._counted:
                 if SpawnLauncher._active == 0:
                     SpawnLauncher._owns_tracker = getattr(self._tracker, "_pid", 0) is None
                 SpawnLauncher._active += 1
                 self._counted = True
+
+    def start(self, spec: WorkerSpec, payload: Any) -> WorkerHandle:
+        self._count()
         # The new interpreter is in the kernel's process group until nbtrain's code runs
         # in it, so Jupyter's interrupt would reach it mid-import (a stray traceback in
         # the cell). It starts with SIGINT blocked, a mask that survives exec; the worker

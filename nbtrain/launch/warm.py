@@ -18,13 +18,18 @@ from __future__ import annotations
 import importlib
 import sys
 
-# What every training function pays for: building an optimizer imports this.
-COMMON = ("torch._dynamo",)
+# What every training function pays for: building an optimizer imports torch._dynamo;
+# seeding a rank (seeding.py) imports numpy.random, lazily loaded by numpy (5 ms).
+COMMON = ("torch._dynamo", "numpy.random")
 
 
 def warm_kernel(extra: tuple[str, ...] = ()) -> list[str]:
     """Import what forked workers would otherwise import each time; returns what was new."""
     new = [name for name in (*COMMON, *extra) if name not in sys.modules]
     for name in new:
-        importlib.import_module(name)
-    return new
+        try:
+            importlib.import_module(name)
+        except ImportError:  # numpy is optional for seeding; a strategy's own must import
+            if name in extra:
+                raise
+    return [name for name in new if name in sys.modules]

@@ -100,6 +100,9 @@ def _become_worker(spec: WorkerSpec, out_w, err_w) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel decides what an interrupt means
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # spawn started it blocked
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if spec.environ_of_kernel is not None:
+        os.environ.clear()
+        os.environ.update(spec.environ_of_kernel)
     if spec.die_with_parent and sys.platform == "linux":
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
