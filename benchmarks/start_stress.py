@@ -10,17 +10,25 @@ one), each under a deadline, alternating the ways a user starts ranks:
   launch:  nbtrain.launch(train, devices=4, accelerator="cpu") (dashboard on), one step
   bg:      two background launches of 2 ranks started back to back (the second forks
            while the first's ranks join), then both waited for
+  fs:      nbtrain.launch(train, ...) with start_method="forkserver" (the default once a
+           cell has touched CUDA)
+  quick:   a background launch of a function with no collective (``return ctx.rank``):
+           a rank that returns at once must not fail a peer still joining the group
+
+``--busy N`` keeps N processes spinning meanwhile: hosted notebooks are seldom idle.
 
 A start that misses its deadline is counted as a hang, its stacks (kernel and forked
 workers, Python and native) are printed, and the kernel is interrupted.
 
-    python benchmarks/start_stress.py [--starts 300] [--kinds pool,launch,bg] [--deadline 40]
+    python benchmarks/start_stress.py [--starts 300] [--kinds pool,launch,bg,fs,quick]
+                                      [--deadline 40] [--busy 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -44,6 +52,9 @@ def train(ctx):
     opt.step()
     ctx.log(loss=loss)
     return ctx.rank
+
+def quick(ctx):
+    return ctx.rank
 """
 
 CELLS = {
@@ -53,6 +64,10 @@ CELLS = {
     "bg": "a = nbtrain.launch(train, devices=2, accelerator='cpu', background=True)\n"
           "b = nbtrain.launch(train, devices=2, accelerator='cpu', background=True)\n"
           "a.wait(); b.wait(); assert a.results == b.results == [0, 1]",
+    "fs": "assert nbtrain.launch(train, devices={n}, accelerator='cpu', "
+          "start_method='forkserver').results == list(range({n}))",
+    "quick": "q = nbtrain.launch(quick, devices={n}, accelerator='cpu', background=True)\n"
+             "q.wait(); assert q.results == list(range({n}))",
 }
 
 
@@ -87,16 +102,20 @@ def count(kernel: Kernel, starts: int, kinds: list[str], devices: int = 4,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--starts", type=int, default=300, help="starts in all (default 300)")
-    parser.add_argument("--kinds", default="pool,launch,bg",
+    parser.add_argument("--kinds", default="pool,launch,bg,fs,quick",
                         help=f"comma-separated, of {', '.join(CELLS)} (taken in turn)")
     parser.add_argument("--devices", type=int, default=4, help="ranks per start (pool, launch)")
     parser.add_argument("--deadline", type=float, default=40.0,
                         help="seconds a start may take before it counts as a hang")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="processes spinning on the CPU meanwhile (a loaded machine)")
     args = parser.parse_args()
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in CELLS]
     if unknown or not kinds:
         parser.error(f"--kinds: unknown {unknown}; choose from {', '.join(CELLS)}")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(args.busy)]
     kernel = Kernel(startup=textwrap.dedent(SETUP))
     began = time.monotonic()
     try:
@@ -104,10 +123,14 @@ def main() -> None:
                        say=lambda text: print(text, flush=True))
     finally:
         kernel.shutdown()
+        for p in busy:
+            p.kill()
+            p.wait()
     total = sum(c["starts"] for c in counts.values())
     hung = sum(c["hung"] for c in counts.values())
     print(f"\nIn one Jupyter kernel: {total} starts in {time.monotonic() - began:.0f} s, "
-          f"{os.cpu_count()} cores, torch {torch.__version__}, deadline {args.deadline:g} s")
+          f"{os.cpu_count()} cores ({args.busy} kept busy), torch {torch.__version__}, "
+          f"deadline {args.deadline:g} s")
     print(f"{'kind':8s} {'starts':>7s} {'hung':>5s} {'failed':>7s} {'mean s':>7s}")
     for kind, c in counts.items():
         done = c["starts"] - c["hung"]

@@ -159,7 +159,7 @@ def _run(spec: WorkerSpec, payload: Any, control, commands) -> None:
 def init_distributed(spec: WorkerSpec, control, commands) -> None:
     """Threads and device for this rank, then the process group: rank 0 hosts the store
     (see the module docstring), the others wait for the kernel to say where it is. Says
-    ``JOINED`` on ``control`` once the group is up."""
+    ``JOINED`` on ``control`` once the group is up on every rank."""
     import torch
     import torch.distributed as dist
 
@@ -187,6 +187,10 @@ def init_distributed(spec: WorkerSpec, control, commands) -> None:
     if spec.accelerator == "cuda":
         init["device_id"] = torch.device("cuda", spec.device_index)
     dist.init_process_group(**init)
+    # A rank whose function returns at once must not leave while a peer is still
+    # connecting its group (gloo: "Connection closed by peer" in that peer): every rank
+    # passes this barrier only once every rank's group is up.
+    dist.barrier(**({"device_ids": [spec.device_index]} if spec.accelerator == "cuda" else {}))
     control.send_bytes(JOINED)
 
 
