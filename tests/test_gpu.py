@@ -110,7 +110,7 @@ def test_two_gpus_hold_half_the_model_each_under_fsdp():
         assert run.results[rank]["device"] == f"cuda:{rank}"
 
 
-def test_fork_after_cuda_init_falls_back_to_spawn_or_refuses():
+def test_fork_after_cuda_init_falls_back_to_the_fork_server_or_refuses():
     done = _python("""
         import warnings, torch, nbtrain
         from workloads import fail_on
@@ -118,18 +118,22 @@ def test_fork_after_cuda_init_falls_back_to_spawn_or_refuses():
         try:
             nbtrain.launch(fail_on, "none", devices=1, accelerator="cuda", start_method="fork")
         except RuntimeError as err:
-            print("refused:", "start_method='spawn'" in str(err))
+            print("refused:", "start_method='forkserver'" in str(err))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             run = nbtrain.launch(fail_on, "none", devices=1, accelerator="cuda")
-        print("method:", run.start_method, any("spawn instead of fork" in str(w.message) for w in caught))
+        print("method:", run.start_method, any("fork server" in str(w.message) for w in caught))
+        from nbtrain.launch import forkserver
+        with open(f"/proc/{forkserver.running_pid()}/maps") as f:
+            print("server holds CUDA:", "libcuda" in f.read())
     """)
     assert done.returncode == 0, done.stderr
     assert "refused: True" in done.stdout
-    assert "method: spawn True" in done.stdout
+    assert "method: forkserver True" in done.stdout
+    assert "server holds CUDA: False" in done.stdout  # it never touched the driver
 
 
-def test_driver_initialised_behind_torch_means_spawn():
+def test_driver_initialised_behind_torch_is_seen():
     done = _python("""
         import ctypes, torch
         from nbtrain.launch import guards
@@ -146,7 +150,7 @@ def test_driver_initialised_behind_torch_means_spawn():
            "torch" in done.stdout or "reason: a forked child hung" in done.stdout, done.stdout
 
 
-def test_is_available_means_spawn_with_the_true_reason():
+def test_is_available_means_no_fork_with_the_true_reason():
     done = _python("""
         import torch
         from nbtrain.launch import guards
@@ -221,10 +225,10 @@ def launched():
 """
 
 
-def test_a_fresh_kernel_forks_starts_warm_and_says_why_it_spawns():
+def test_a_fresh_kernel_forks_starts_warm_and_says_why_it_does_not():
     """What a user sees on a GPU machine: a fresh kernel's launches fork, later ones import
-    next to nothing in the workers, and after torch.cuda.is_available() the launch spawns
-    and the warning names that call."""
+    next to nothing in the workers, and after torch.cuda.is_available() the launch starts
+    from the fork server and the warning names that call."""
     kernel = Kernel(startup=f"import nbtrain, torch; N = {_ranks()}")
     try:
         assert kernel.run(FIRST_STEP).error is None
@@ -236,7 +240,7 @@ def test_a_fresh_kernel_forks_starts_warm_and_says_why_it_spawns():
                     (len(new), new[:60])
         assert kernel.value("torch.cuda.is_available()") is True
         method, _, warned = kernel.value("launched()")
-        assert method == "spawn", method
+        assert method == "forkserver", method
         assert any("CUDA was queried through torch" in w for w in warned), warned
     finally:
         kernel.shutdown()

@@ -153,6 +153,8 @@ def _not_interactive(undo: list) -> None:
         ps1 = sys.ps1
         del sys.ps1
         undo.append(lambda: setattr(sys, "ps1", ps1))
+    if "lightning" not in sys.modules and "pytorch_lightning" not in sys.modules:
+        return  # the scan below costs ~10 ms in a kernel's thousands of modules
     for name, module in list(sys.modules.items()):
         if (name.startswith(("lightning", "pytorch_lightning"))
                 and getattr(module, "_IS_INTERACTIVE", False) is True):

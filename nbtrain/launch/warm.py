@@ -19,12 +19,30 @@ import importlib
 import sys
 
 # What every training function pays for: building an optimizer imports torch._dynamo;
-# seeding a rank (seeding.py) imports numpy.random, lazily loaded by numpy (5 ms).
-COMMON = ("torch._dynamo", "numpy.random")
+# seeding a rank (seeding.py) imports numpy.random, lazily loaded by numpy (5 ms); a rank's
+# hosting and ctx.setup import two modules of nbtrain's own.
+COMMON = ("torch._dynamo", "numpy.random", "nbtrain.telemetry.active",
+          "nbtrain.strategies.meta_init")
+
+
+def _first_record_function() -> None:
+    """torch's first ``record_function`` in a process looks for an optional profiler
+    module (an import attempt, a few ms); optimizer steps use it."""
+    import torch
+
+    with torch.autograd.profiler.record_function("nbtrain-warm"):
+        pass
+
+
+_warmed_calls = False
 
 
 def warm_kernel(extra: tuple[str, ...] = ()) -> list[str]:
     """Import what forked workers would otherwise import each time; returns what was new."""
+    global _warmed_calls
+    if not _warmed_calls:
+        _warmed_calls = True
+        _first_record_function()
     new = [name for name in (*COMMON, *extra) if name not in sys.modules]
     for name in new:
         try:
