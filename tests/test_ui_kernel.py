@@ -93,8 +93,10 @@ def test_forced_widget_stays_within_the_message_budget(setup, kernel_clean):
     assert PLOTLY_MIME in last[-1]["data"]  # a static figure in its place at the end
     # ... and the same outputs, slot and version, in the keeper, which brings them to a
     # page reloaded since (its display ids lost)
-    slots = [m["content"]["metadata"]["nbtrain"]["slot"] for m in msgs
-             if m["msg_type"] == "display_data"]
+    shown_outputs = [m["content"] for m in msgs if m["msg_type"] == "display_data"]
+    # widget, header -> figure, and a place for snapshots of a long run (none here)
+    assert len(shown_outputs) == 3 and shown_outputs[2]["data"] == {"text/plain": ""}
+    slots = [out["metadata"]["nbtrain"]["slot"] for out in shown_outputs[:2]]
     kept = [m["content"]["data"]["state"]["outputs"] for m in comm
             if "outputs" in m["content"]["data"].get("state", {})][-1]
     assert set(slots) <= set(kept), (slots, list(kept))
@@ -147,8 +149,9 @@ def test_nothing_shows_twice_in_one_cell(setup, kernel_clean):
     assert len(shown) == len(again) >= 2
     msgs, _ = messages(setup, "nbtrain.StrategyPicker(log_many, devices=2)")
     shown = [m["content"]["data"] for m in msgs if m["msg_type"] == "display_data"]
-    # once: the widget, then its static twin (text, figure) for when it cannot render
-    assert len(shown) == 3 and "application/vnd.jupyter.widget-view+json" in shown[0]
+    # once: the widget, then its static twin (text, the last run's charts, the
+    # comparison's figure) for when it cannot render
+    assert len(shown) == 4 and "application/vnd.jupyter.widget-view+json" in shown[0]
     assert "nbtrain-twin" in shown[1]["text/html"]
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import html
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from ._live import LiveView
@@ -53,7 +54,22 @@ RECREATED_NOTE = ('<div style="font-family:sans-serif;font-size:12px;color:#7575
                   "not replace it with the static figure: the saved notebook keeps it as a "
                   "live widget. To keep these charts in it, show the run in a cell "
                   "(<code>run</code>, or <code>nbtrain.last_run()</code>).</div>")
+EMPTY = {"text/plain": ""}
 CLOSE_AFTER_S = 2.0  # after the static forms replaced the widget
+# While a run is live its charts are also kept as a static snapshot this often, hidden
+# under the live view: a notebook saved during the run whose kernel then restarts (or
+# died: out of memory) shows the charts as of the last snapshot before the save, where
+# the live view can only say "model not found" (its model lived in that kernel).
+SNAPSHOT_S = 30.0
+# JupyterLab and Notebook 7: the snapshot's outputs stay hidden while the live view
+# renders; where it cannot render, the widget's error is hidden instead.
+SNAPSHOT_STYLE = """<style>
+.jp-OutputArea:has(.nbtrain-dashboard) > .jp-OutputArea-child:has(.nbtrain-snapshot),
+.jp-OutputArea:has(.nbtrain-dashboard) > .jp-OutputArea-child:has(.nbtrain-snapshot)
+  ~ .jp-OutputArea-child { display: none; }
+.jp-OutputArea:not(:has(.nbtrain-dashboard)):has(.nbtrain-snapshot)
+  > .jp-OutputArea-child:has(> .jupyter-widgets) { display: none; }
+</style>"""
 
 
 def require_widgets():
@@ -84,7 +100,11 @@ class Dashboard(LiveView):
         self.figure = None  # the LiveChart, once built
         self.header = self.errors = self.widget = None  # the widget form (display=False)
         self.build_error: BaseException | None = None
-        self._handles = None  # (header, figure) display handles when shown in a cell
+        # (widget -> header, snapshot note -> figure, snapshot figure -> nothing) when
+        # shown in a cell: the live form's outputs, and what each becomes at the end
+        self._handles = None
+        self._snapshots = False  # a frontend whose outputs SNAPSHOT_STYLE can hide
+        self._snapshot_at = 0.0
         self.comm_messages = 0
         self._control = None  # the widget frontend's control comm when shown (see recreated)
         self._made: list = []  # every widget made here, closed with the view
@@ -99,7 +119,12 @@ class Dashboard(LiveView):
 
             ensure_plotly()  # the page evaluates plotly.js while the workers start
             self._control = getattr(require_widgets().Widget, "_control_comm", None)
-            self._handles = (KeptDisplay(self.widget), KeptDisplay({"text/plain": ""}, raw=True))
+            from .frontend import classic_notebook_server, colab
+
+            self._snapshots = not (classic_notebook_server() or colab())
+            self._snapshot_at = time.monotonic()
+            self._handles = (KeptDisplay(self.widget), KeptDisplay(EMPTY, raw=True),
+                             KeptDisplay(EMPTY, raw=True))
         else:
             self._build(boxed=True)
             self.draw(final=False)
@@ -198,7 +223,10 @@ class Dashboard(LiveView):
             # The static forms take the outputs' places, in every page (keeper.py); a
             # static figure's height follows its rows.
             figure = figure_bundle(build_figure(state), shown["text/plain"])
-            kept_update([(self._handles[0], shown), (self._handles[1], figure)])
+            changes = [(self._handles[0], shown), (self._handles[1], figure)]
+            if self._handles[2].version:  # a snapshot was shown there
+                changes.append((self._handles[2], EMPTY))
+            kept_update(changes)
             if not self.recreated:  # its views are gone: end its comms, a little later,
                 # so no message of a view being removed reaches a closed comm. A page
                 # that connected since may show a view the keeper could not replace (a
@@ -206,6 +234,28 @@ class Dashboard(LiveView):
                 timer = threading.Timer(CLOSE_AFTER_S, self._close_widgets)
                 timer.daemon = True
                 timer.start()
+        elif not final:
+            self._maybe_snapshot()
+
+    def _maybe_snapshot(self) -> None:
+        """Every ``SNAPSHOT_S`` of a live run, its charts as static outputs under the
+        live view (hidden while it renders; see ``SNAPSHOT_STYLE``)."""
+        if not self._snapshots or self._handles is None or self.figure is None:
+            return
+        now = time.monotonic()
+        if now - self._snapshot_at < SNAPSHOT_S:
+            return
+        self._snapshot_at = now
+        with self.state.lock:
+            progress = self.state.progress_line()
+            text = header_text(self.state)
+        note = (f'<div class="nbtrain-snapshot" style="font-family:sans-serif;font-size:12px;'
+                f'color:#757575">The charts below are a snapshot taken while the run was '
+                f"live ({html.escape(progress)}): the live view needs the kernel that ran "
+                f"the run, which is gone.</div>{SNAPSHOT_STYLE}")
+        figure = figure_bundle(build_figure(self.state), text, html=False)
+        kept_update([(self._handles[1], {"text/html": note, "text/plain": ""}),
+                     (self._handles[2], figure)])
 
     def _close_widgets(self) -> None:
         """Close every widget this view made, with their layouts and styles (each is a

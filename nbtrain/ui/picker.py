@@ -27,13 +27,14 @@ if TYPE_CHECKING:
 
 PRECISIONS = [("fp32", "fp32"), ("bf16 mixed", "bf16"), ("fp16 mixed", "fp16")]
 # A saved notebook keeps the picker as a widget, which has no model once the kernel is
-# gone ("model not found"). Its outputs after the widget are a static twin (what ran and
-# the comparison, updated after each run); while the picker renders, this style hides
-# the twin, and where the widget cannot render, it hides the widget's error instead.
+# gone ("model not found"). Its outputs after the widget are a static twin (what ran, the
+# last run's charts and the comparison, updated after each run); while the picker
+# renders, this style hides the twin, and where the widget cannot render, it hides the
+# widget's error instead.
 TWIN_STYLE = """<style>
 .jp-OutputArea:has(.nbtrain-picker) > .jp-OutputArea-child:has(.nbtrain-twin),
 .jp-OutputArea:has(.nbtrain-picker) > .jp-OutputArea-child:has(.nbtrain-twin)
-  + .jp-OutputArea-child { display: none; }
+  ~ .jp-OutputArea-child { display: none; }
 .jp-OutputArea:not(:has(.nbtrain-picker)):has(.nbtrain-twin)
   > .jp-OutputArea-child:has(> .jupyter-widgets) { display: none; }
 </style>"""
@@ -99,9 +100,9 @@ class StrategyPicker:
         if display:
             from .keeper import KeptDisplay, show  # anywidget, with the widgets (not on import)
 
-            first, second = self.static_bundles()  # the static twin: see TWIN_STYLE
-            self._handles = (show(self.widget),
-                             KeptDisplay(first, raw=True), KeptDisplay(second, raw=True))
+            # the static twin: see TWIN_STYLE
+            self._handles = (show(self.widget), *(KeptDisplay(bundle, raw=True)
+                                                  for bundle in self.static_bundles()))
             mark_shown(self)
 
     # -- actions -----------------------------------------------------------------------
@@ -234,11 +235,11 @@ class StrategyPicker:
         if self._handles is not None:  # the static twin follows, in every page
             from .keeper import update  # loaded when the picker was shown
 
-            first, second = self.static_bundles()
-            update([(self._handles[1], first), (self._handles[2], second)])
+            update(list(zip(self._handles[1:], self.static_bundles())))
 
-    def static_bundles(self) -> tuple[dict, dict]:
-        """The picker as a saved notebook keeps it: what ran, and the comparison."""
+    def static_bundles(self) -> tuple[dict, dict, dict]:
+        """The picker as a saved notebook keeps it: what ran and the comparison's table,
+        the last run's charts, and the comparison's figure."""
         names = ", ".join(f"{r.strategy.summary()} ({r.status})" for r in self.runs) or "none yet"
         comparison = self.comparison()
         head = (f'<div class="nbtrain-twin" style="font-family:sans-serif;font-size:13px">'
@@ -246,12 +247,20 @@ class StrategyPicker:
                 f"{html.escape(getattr(self.fn, '__name__', 'fn'))}: runs made: "
                 f"{html.escape(names)}</div>{TWIN_STYLE}")
         text = f"StrategyPicker runs: {names}"
+        empty = {"text/plain": ""}
+        chart = empty
+        if self.dashboard is not None and self.run is not None and self.run.done:
+            from .fallback import figure_bundle
+            from .figures import build_figure
+
+            chart = figure_bundle(build_figure(self.dashboard.state),
+                                  f"the last run: {self.run.strategy.summary()}")
         if comparison is None:
-            return {"text/html": head, "text/plain": text}, {"text/plain": ""}
+            return {"text/html": head, "text/plain": text}, chart, empty
         bundles = comparison.bundles()
         first = {"text/html": head + bundles[0]["text/html"],
                  "text/plain": text + "\n" + bundles[0]["text/plain"]}
-        return first, (bundles[1] if len(bundles) > 1 else {"text/plain": ""})
+        return first, chart, (bundles[1] if len(bundles) > 1 else empty)
 
     def _ipython_display_(self) -> None:
         from IPython.display import display as show
