@@ -263,7 +263,7 @@ def test_dashboards_survive_reloads_restarts_and_reopening(no_leftovers, tmp_pat
 
 
 def test_a_launch_in_notebook_7(no_leftovers, tmp_path):
-    lab.write_notebook(tmp_path / "nb7.ipynb", [CELLS[0], CELLS[1], CELLS[3]])
+    lab.write_notebook(tmp_path / "nb7.ipynb", CELLS[:4])
     with lab.server(tmp_path, "nb7.ipynb", app="notebook") as url, lab.browser() as page:
         console: list[str] = []
         page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
@@ -277,23 +277,34 @@ def test_a_launch_in_notebook_7(no_leftovers, tmp_path):
         done = _wait_for(page, 1, lambda c: c["traces"] and not c["live"])
         assert "rank 1: done" in done["text"] and done["traces"] >= 4, done
         assert not _errors(console), _errors(console)
-        # a background run, the page reloaded while it is live, then the kernel restarted
+        # the picker runs one strategy; then a background run, the page reloaded while it
+        # is live, then the kernel restarted
         lab.run_cell(page, 2)
-        _wait_for(page, 2, lambda c: c["points"] > 20)
+        picker = page.locator(".nbtrain-picker")
+        picker.wait_for(timeout=30_000)
+        _picker_runs(page, picker, "ddp")
+        lab.run_cell(page, 3)
+        _wait_for(page, 3, lambda c: c["points"] > 20)
         _save(page)
         lab.open_notebook(page, url)
-        before = _wait_for(page, 2, lambda c: c["live"] and RUNNING in c["text"])
+        back = time.monotonic()
+        before = _wait_for(page, 3, lambda c: c["live"] and RUNNING in c["text"], timeout=5)
         assert before["live"] and RUNNING in before["text"], before
-        ended = _wait_for(page, 2, lambda c: c["traces"] and not c["live"], timeout=60)
+        print(f"\nNotebook 7: live again {time.monotonic() - back:.1f} s after the page was back")
+        ended = _wait_for(page, 3, lambda c: c["traces"] and not c["live"], timeout=60)
         assert "rank 1: done" in ended["text"] and not ended["live"], ended
         _save(page)
         page.evaluate("async () => { await window.jupyterapp.shell.currentWidget"
                       ".sessionContext.restartKernel(); }")
         lab.open_notebook(page, url)
-        for index in (1, 2):
+        for index in (1, 3):
             kept = _wait_for(page, index, lambda c: c["traces"] > 0)
             assert "rank 1: done" in kept["text"] and kept["traces"] >= 4, (index, kept)
             assert "model not found" not in kept["text"], kept["text"]
+        twin = _wait_for(page, 2, lambda c: c["figures"] > 0 and "Loading widget" not in c["text"])
+        assert "StrategyPicker for train" in twin["text"], twin["text"]
+        assert "model not found" not in twin["text"], twin["text"]
+        assert any(n > 10 for n in _lines(page, 2)), _lines(page, 2)
 
 
 def test_a_run_live_at_a_kernel_restart_keeps_its_last_snapshot(no_leftovers, tmp_path):
