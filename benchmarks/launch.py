@@ -280,7 +280,7 @@ def main() -> None:
                 if name not in hung:
                     kernel.shutdown()
     for name in codes:
-        times[name]["sum"] = [i + f for i, f in zip(imported[name], first[name])]
+        times[name]["sum"] = [i + f for i, f in zip(imported[name], first[name], strict=True)]
     med = {name: {k: statistics.median(v) for k, v in t.items()}
            for name, t in times.items() if name not in hung}
     base = BASE if BASE in med else "nbtrain (default)"

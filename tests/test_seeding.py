@@ -61,7 +61,7 @@ def test_fork_and_spawn_give_the_same_streams_for_the_same_seed():
 def test_the_fork_server_gives_the_streams_fork_gives():
     forked, served = launch("fork", seed=77), launch("forkserver", seed=77)
     assert served.start_method == "forkserver"
-    for f, s in zip(forked.results, served.results):
+    for f, s in zip(forked.results, served.results, strict=True):
         torch.testing.assert_close(f["torch"], s["torch"], rtol=0, atol=0)
         assert (f["random"], f["numpy"], f["seed"], f["order"]) == \
             (s["random"], s["numpy"], s["seed"], s["order"])

@@ -235,7 +235,7 @@ class StrategyPicker:
         if self._handles is not None:  # the static twin follows, in every page
             from .keeper import update  # loaded when the picker was shown
 
-            update(list(zip(self._handles[1:], self.static_bundles())))
+            update(list(zip(self._handles[1:], self.static_bundles(), strict=True)))
 
     def static_bundles(self) -> tuple[dict, dict, dict]:
         """The picker as a saved notebook keeps it: what ran and the comparison's table,
