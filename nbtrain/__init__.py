@@ -12,13 +12,14 @@ from .errors import RunStoppedError, RunTimeoutError, WorkerError, remember_cell
 from .launch import launch
 from .launch.pool import RankPool
 from .run import Run, last_run
+from .slurm import submit
 from .telemetry.options import Telemetry
 from .ui import StrategyPicker, compare, progress
 from .watch import listen
 
 __all__ = ["Context", "RankPool", "Run", "RunStoppedError", "RunTimeoutError",
            "StrategyPicker", "Telemetry", "WorkerError", "compare", "last_run", "launch",
-           "listen", "progress", "strategies", "checkpoint"]
+           "listen", "progress", "strategies", "checkpoint", "submit"]
 __version__ = "0.1.0"
 
 remember_cell_names()  # in an IPython 7 kernel, tracebacks name cells as IPython 8's do

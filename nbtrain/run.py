@@ -200,7 +200,7 @@ class Run:
             state = {"started": "running", "finished": "done", "failed": "failed"}[event.state]
             with self._lock:
                 self.rank_status[event.rank] = state
-                if self._status == "starting" and state == "running":
+                if self._status in ("starting", "queued") and state == "running":
                     self._status = "running"
 
     def _emit(self, rank: int, stream: str, line: str) -> None:

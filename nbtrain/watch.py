@@ -127,6 +127,7 @@ class Watch:
                              "False, or force one view: 'widget', 'static' or 'text'.")
         self.dashboard = dashboard
         self._jobs: dict[str, _Job] = {}
+        self._expected: dict[str, _Job] = {}  # runs made here before their job attaches
         self._lock = threading.Lock()
         self._cell = _cell_parent()  # views of attaching runs show in listen()'s cell
         self._server = TelemetryServer(host=host, port=port, on_hello=self._hello)
@@ -164,6 +165,12 @@ class Watch:
 
         return compare(*[r for r in self.runs if r.status == "done"], **options)
 
+    def expect(self, run_id: str, job: _Job) -> None:
+        """The ranks that say ``run_id`` belong to ``job`` (its ``Run`` made already, by
+        ``nbtrain.submit``), not to a new run."""
+        with self._lock:
+            self._expected[run_id] = job
+
     def close(self) -> None:
         """Stop listening; runs still attached stop being watched (their jobs go on)."""
         self._server.close()
@@ -191,7 +198,8 @@ class Watch:
         with self._lock:
             job = self._jobs.get(run_id)
             if job is None:
-                job = self._jobs[run_id] = self._new_job(hello, world_size)
+                job = self._expected.pop(run_id, None) or self._new_job(hello, world_size)
+                self._jobs[run_id] = job
         if job.done.is_set():
             return None
         return job.link(rank, offset)

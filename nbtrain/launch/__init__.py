@@ -18,7 +18,7 @@ from ..strategies import Strategy
 from ..telemetry.channel import TelemetryServer
 from ..telemetry.options import Telemetry
 from ..telemetry.sinks import Sink
-from . import calls
+from . import calls, clusters
 from .devices import parse_devices, threads_per_worker
 from .fork import ForkLauncher
 from .forkserver import ForkServerLauncher
@@ -91,7 +91,8 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
     (``nbtrain.last_run()`` then gives the run back, with its history).
 
     Under torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``
-    set), nothing is started: ``fn`` runs in this process as torchrun's rank, on its
+    set), in a SLURM step of several tasks (``srun -n 4 python train.py``), under LSF's
+    ``jsrun`` or in a Kubeflow PyTorchJob (``clusters.py``), nothing is started: ``fn`` runs in this process as torchrun's rank, on its
     ``LOCAL_RANK``'s GPU (or CPU); ``devices``, ``start_method``, ``background`` and
     ``timeout`` are torchrun's business and ignored. Rank 0 gets the finished ``Run``
     (every rank's results and history, gathered), the other ranks ``None``; a failing
@@ -100,9 +101,12 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
     """
     fn, kwargs, resume, base_seed, options, chosen = _check_run_args(
         "launch()", fn, args, kwargs, timeout, dashboard, resume, seed, telemetry, strategy)
-    if under_torchrun():  # rank 0 picks the base seed there, and tells the others
+    # Ranks started by torchrun or a cluster (SLURM's srun, LSF's jsrun, Kubeflow): this
+    # process is one; rank 0 picks the base seed there, and tells the others.
+    started_by = "torchrun" if under_torchrun() else clusters.adopt()
+    if started_by:
         return run_in_process(fn, args, kwargs, chosen, accelerator, options, sinks,
-                              dashboard, resume, seed)
+                              dashboard, resume, seed, started_by)
     with busy_while_blocking():  # from here, widget traffic must not read as "Idle"
         return _launch(fn, args, kwargs, devices, chosen, accelerator, start_method,
                        background, timeout, sinks, dashboard, resume, seed, base_seed,

@@ -38,6 +38,7 @@ from .devices import DevicePlan, resolve_accelerator
 from .worker import FAILURE, execute
 
 ATTACH_ENV = "NBTRAIN_ATTACH"
+RUN_ID_ENV = "NBTRAIN_RUN_ID"  # the run's id for the listener (nbtrain.submit sets it)
 WORKER_ENV = "NBTRAIN_WORKER"  # set in nbtrain's own workers: they are not torchrun ranks
 _NEEDED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _warned_attach = False
@@ -94,7 +95,8 @@ class _Tee:
 
 
 def run_in_process(fn, args, kwargs, strategy, accelerator: str, options: Telemetry,
-                   sinks, dashboard, resume: str | None, seed: int | None) -> Run | None:
+                   sinks, dashboard, resume: str | None, seed: int | None,
+                   started_by: str = "torchrun") -> Run | None:
     """``fn(ctx, *args, **kwargs)`` as this process's rank; see the module docstring."""
     import torch.distributed as dist
 
@@ -111,7 +113,9 @@ def run_in_process(fn, args, kwargs, strategy, accelerator: str, options: Teleme
     pg_timeout = 1800.0
     _join(plan, local_rank, pg_timeout)  # kept for a later launch(); torchrun ends it
     # One base seed and run id for the whole job, drawn on rank 0.
-    shared = [seeding.base_seed(seed), uuid.uuid4().hex[:12]] if rank == 0 else [None, None]
+    # (nbtrain.submit names the run, so the notebook's listener knows it as its own.)
+    run_id = env.get(RUN_ID_ENV) or uuid.uuid4().hex[:12]
+    shared = [seeding.base_seed(seed), run_id] if rank == 0 else [None, None]
     dist.broadcast_object_list(shared, src=0)
     base_seed, run_id = shared
     spec = WorkerSpec(
@@ -126,7 +130,7 @@ def run_in_process(fn, args, kwargs, strategy, accelerator: str, options: Teleme
     run = None
     kept: list[Event] = []
     if rank == 0:
-        run = Run(name, strategy, plan, "torchrun", None, sinks, seed=base_seed)
+        run = Run(name, strategy, plan, started_by, None, sinks, seed=base_seed)
         if dashboard is not False and options.enabled:
             view = run.attach_view(dashboard)
             if view is not None:

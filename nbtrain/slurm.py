@@ -1,0 +1,271 @@
+"""``nbtrain.submit``: the notebook's function as a SLURM job, watched live from the notebook.
+
+    run = nbtrain.submit(train, nodes=2, devices=4, strategy="fsdp",
+                         slurm={"partition": "gpu", "time": "02:00:00"}, lr=3e-4)
+    run.status        # "queued", then "running", "done" / "failed" / "stopped"
+    run.wait()        # rank 0's results gathered from every rank, as launch() gives
+    run.stop()        # scancel: the job and its processes are gone
+
+The function, its arguments and what it uses from the cells travel by value (dill), as
+they reach spawned workers. ``submitit`` (the ``nbtrain[slurm]`` extra) writes them to
+``folder`` (on a filesystem the nodes share) and submits an sbatch job of ``nodes`` x
+``devices`` tasks, started by ``srun``; each task calls ``launch()``, which sees SLURM's
+step (``launch/clusters.py``) and runs the function as that rank. Every rank streams its
+events to a listener this call opens (a token-protected port; ``listen_host`` must be
+reachable from the nodes), so the run's dashboard is live in the cell. A failing rank
+ends the job (``srun --kill-on-bad-exit``) and its traceback arrives as ``WorkerError``
+(through the run, as a local launch's does);
+the job's log files are named in ``run.remote["logs"]``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from . import strategies
+from .launch import calls
+from .launch.spawn import serialize
+from .launch.torchrun import ATTACH_ENV, RUN_ID_ENV
+from .launch.worker import encode_result
+from .run import DASHBOARDS, Run
+from .telemetry.options import Telemetry
+from .watch import Watch, _cell_parent, _in_cell, _Job, _RemoteFailure
+
+__all__ = ["submit"]
+
+INSTALL = 'pip install "nbtrain[slurm]"'
+POLL_S = 1.0
+# submitit's own parameters that mean what sbatch's options of the same names mean.
+_SUBMITIT = {"partition", "time", "cpus_per_task", "cpus_per_gpu", "gpus_per_node",
+             "gpus_per_task", "qos", "setup", "teardown", "mem", "mem_per_gpu",
+             "mem_per_cpu", "comment", "constraint", "exclude", "account", "gres",
+             "mail_type", "mail_user", "nodelist", "dependency", "exclusive", "job_name",
+             "signal_delay_s", "srun_args"}
+
+
+def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
+           strategy: str = "ddp", accelerator: str = "auto", slurm: dict | None = None,
+           folder: str | os.PathLike = "nbtrain-jobs", listen_host: str = "0.0.0.0",
+           dashboard: bool | str = "auto", telemetry: bool | Telemetry = True,
+           seed: int | None = None, **kwargs: Any) -> Run:
+    """Submit ``fn(ctx, *args, **kwargs)`` to SLURM as ``nodes`` x ``devices`` ranks and
+    return its ``Run`` at once (``run.wait()`` blocks). Names mean what ``launch()``'s do;
+    ``devices`` counts per node. ``slurm``: sbatch options by name (``partition``,
+    ``time`` as minutes or ``"HH:MM:SS"``, ``account``, ``mem``, ``setup`` (shell lines run
+    first, e.g. ``["module load cuda"]``), ...; others go to sbatch as they are).
+    ``accelerator="auto"``: one GPU per rank where ``gpus_per_node`` is asked for, else CPU
+    ranks (gloo). See the module docstring for what must hold on the cluster."""
+    try:
+        import submitit
+    except ImportError:
+        raise ImportError(f"nbtrain.submit needs submitit: {INSTALL}") from None
+    for name, value in (("nodes", nodes), ("devices", devices)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: give a positive number of "
+                             f"{'nodes' if name == 'nodes' else 'ranks per node'}.")
+    if dashboard not in DASHBOARDS:
+        raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, False, or "
+                         "force one view: 'widget', 'static' or 'text'.")
+    options = Telemetry.from_arg(telemetry)
+    params = _sbatch_params(dict(slurm or {}))
+    if accelerator == "auto":
+        accelerator = "cuda" if params.get("gpus_per_node") else "cpu"
+    if accelerator not in ("cpu", "cuda"):
+        raise ValueError(f"accelerator={accelerator!r}: use 'auto', 'cuda' or 'cpu'.")
+    if accelerator == "cuda":
+        params.setdefault("gpus_per_node", devices)
+    call, own, chosen = calls.plan("submit()", fn, args, kwargs, strategies.get(strategy))
+    payload = serialize(call, args, own, chosen, "a SLURM job",
+                        "or define what it needs inside the function")
+    world = nodes * devices
+    run_id = uuid.uuid4().hex[:12]
+    plan = _Plan(accelerator, world)
+    name = getattr(fn, "__name__", "fn")
+    run = Run(name, chosen, plan, "slurm", None, seed=seed)
+    cell = _cell_parent()
+    view = None
+    if dashboard is not False and options.enabled:
+        with _in_cell(cell):
+            view = run.attach_view(dashboard)
+    watch = Watch(listen_host, 0, dashboard=False) if options.enabled else None
+    executor = submitit.SlurmExecutor(folder=os.fspath(folder))
+    srun_args = ["--kill-on-bad-exit=1", *params.pop("srun_args", [])]
+    executor.update_parameters(nodes=nodes, ntasks_per_node=devices, srun_args=srun_args,
+                               job_name=params.pop("job_name", f"nbtrain-{name}"), **params)
+    environ = {RUN_ID_ENV: run_id}
+    if watch is not None:
+        environ[ATTACH_ENV] = watch.address
+    try:
+        job = executor.submit(_task, payload, accelerator, options, seed, environ)
+    except Exception:
+        if watch is not None:
+            watch.close()
+        raise
+    supervisor = _SlurmJob(run, job, world, watch)
+    if watch is not None:
+        watch.expect(run_id, supervisor)
+    run.remote = {"job": job.job_id, "folder": os.path.abspath(os.fspath(folder)),
+                  "logs": [str(job.paths.stdout), str(job.paths.stderr)]}
+    run._status = "queued"
+    run._attach(supervisor, [watch.close] if watch is not None else [])
+    if view is not None:
+        view.start()
+    supervisor.start()
+    return run
+
+
+class _Plan:
+    """What a ``Run`` reads of a device plan, for ranks that run elsewhere."""
+
+    def __init__(self, accelerator: str, world_size: int):
+        self.accelerator = accelerator
+        self.world_size = world_size
+        self.indices = tuple(range(world_size))
+
+
+def _minutes(value) -> int:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return max(1, int(value))
+    match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", str(value).strip())
+    if match is None:
+        raise ValueError(f"slurm time={value!r}: give minutes or \"[D-]HH:MM:SS\".")
+    days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    return max(1, days * 1440 + hours * 60 + minutes + (seconds > 0))
+
+
+def _sbatch_params(given: dict) -> dict:
+    """submitit's parameters from sbatch option names (``-`` or ``_``); the others go to
+    sbatch as they are."""
+    params: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(given.pop("additional_parameters", {}) or {})
+    for key, value in given.items():
+        name = key.replace("-", "_")
+        if name in ("nodes", "ntasks_per_node", "ntasks"):
+            raise ValueError(f"slurm={{{key!r}: ...}}: give nodes= and devices= (ranks per "
+                             "node) to submit() instead.")
+        if name == "time":
+            params["time"] = _minutes(value)
+        elif name in _SUBMITIT:
+            params[name] = value
+        else:
+            extra[name] = value
+    if extra:
+        params["additional_parameters"] = extra
+    return params
+
+
+def _task(payload: bytes, accelerator: str, options: Telemetry, seed: int | None,
+          environ: dict[str, str]):
+    """One SLURM task: ``launch()`` as this task's rank. Rank 0 returns every rank's
+    results (gathered), the others None."""
+    import dill
+
+    from .launch import launch
+
+    os.environ.update(environ)
+    fn, args, kwargs, strategy = dill.loads(payload)
+    run = launch(fn, *args, strategy=strategy, accelerator=accelerator, telemetry=options,
+                 seed=seed, dashboard=False, **kwargs)
+    return None if run is None else run.results
+
+
+class _SlurmJob(_Job):
+    """The submitted job as ``Run`` reads a supervisor: its ranks' events arrive through
+    the listener (``_Job``'s links); its state and results come from SLURM and submitit."""
+
+    teardown_cause = None
+    timed_out_ranks: list[int] = []
+    note = None
+
+    def __init__(self, run: Run, job, world_size: int, watch: Watch | None):
+        super().__init__(run)
+        self.job, self.watch = job, watch
+        self.workers = {rank: _Rank() for rank in range(world_size)}
+        self._thread = threading.Thread(target=self._poll, name="nbtrain-slurm", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def unlink(self) -> None:
+        """A rank's connection closed: its job still decides when the run ends."""
+        with self._lock:
+            self._open -= 1
+
+    def request_stop(self, reason: str) -> None:
+        """``run.stop()``: cancel the job (its ranks end with it)."""
+        if self.done.is_set():
+            return  # ended already (the listener's close asks too)
+        self.teardown_cause = "stop"
+        subprocess.run(["scancel", str(self.job.job_id)], capture_output=True, check=False)
+
+    def _poll(self) -> None:
+        try:
+            while not self._finished():
+                time.sleep(POLL_S)
+            self._collect()
+        except BaseException as err:  # never leave the run waiting
+            self.crash = err
+        finally:
+            self.done.set()
+
+    def _finished(self) -> bool:
+        """Every task wrote its result file, or the job left the queue."""
+        if all(self.job.task(i).paths.result_pickle.exists()
+               for i in range(len(self.workers))):
+            return True
+        return _squeue_state(self.job.job_id) is None
+
+    def _collect(self) -> None:
+        if self.teardown_cause == "stop":
+            return
+        deadline = time.monotonic() + 10  # result files land after the queue forgets
+        while time.monotonic() < deadline and not all(
+                self.job.task(i).paths.result_pickle.exists() for i in range(len(self.workers))):
+            time.sleep(0.2)
+        for rank in range(len(self.workers)):
+            try:
+                value = self.job.task(rank).result()
+            except Exception as err:
+                if self.failure is not None and self.failure.rank != rank:
+                    continue  # ended with the job when the failing rank did (srun -K)
+                if self.failure is None:
+                    self.failure = _RemoteFailure(
+                        rank, type(err).__name__, _first_line(str(err)), str(err)[-20_000:],
+                        hint=f"The job's logs: {', '.join(self.run.remote['logs'])}")
+                self.workers[rank].failure = self.failure if self.failure.rank == rank \
+                    else _RemoteFailure(rank, type(err).__name__, _first_line(str(err)), "")
+                continue
+            if rank == 0 and value is not None:
+                for r, result in enumerate(value):
+                    self.workers[r].result = encode_result(result, r)
+        if self.failure is None and any(w.result is None for w in self.workers.values()):
+            self.failure = _RemoteFailure(
+                0, "JobEnded", "the SLURM job ended without every rank's result",
+                "", hint=f"The job's logs: {', '.join(self.run.remote['logs'])}")
+
+
+class _Rank:
+    result: bytes | None = None
+    failure: Any = None
+    exitcode: int | None = None
+
+
+def _first_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:500] if lines else text[:500]
+
+
+def _squeue_state(job_id: str) -> str | None:
+    """The job's state in SLURM's queue (``PENDING``, ``RUNNING``, ...), None once gone."""
+    done = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"],
+                          capture_output=True, text=True, check=False)
+    state = done.stdout.strip().splitlines()
+    return state[0] if done.returncode == 0 and state else None
+
