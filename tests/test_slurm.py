@@ -172,7 +172,7 @@ def test_a_job_submitted_from_the_notebook_is_watched_and_returns(kernel_clean, 
     assert kernel.run(SUBMIT_CELL).error is None
     folder = str(tmp_path / "jobs")
     reply = kernel.run(f"""
-        run = nbtrain.submit(job, 2, devices=2, folder={folder!r}, dashboard=False)
+        run = nbtrain.submit(job, 2, devices=2, folder={folder!r})  # its dashboard here
         print("first", run.status)
         values = [r.v for r in run.wait(timeout=180)]
         print("values", values, run.status, run.start_method)
@@ -180,9 +180,13 @@ def test_a_job_submitted_from_the_notebook_is_watched_and_returns(kernel_clean, 
     assert reply.error is None, reply.error
     assert "first queued" in reply.stdout or "first running" in reply.stdout, reply.stdout
     assert "values [9.0, 9.0] done slurm" in reply.stdout, reply.stdout
-    # every rank's events reached the notebook, live
+    # every rank's events reached the notebook, live, and its dashboard in the cell
     assert kernel.value("{r: len(run.history.metric('loss', r)) for r in (0, 1)}") == \
         {0: 6, 1: 6}
+    view = kernel.value("[(type(s).__name__, s.state.status, sorted({r for _, r in s.state.metrics})) "
+                        "for s in run._sinks.sinks if hasattr(s, 'state')]")
+    assert view and view[0][1:] == ({0: "done", 1: "done"}, [0, 1]), view
+    assert reply.displays, "the run's view showed in the cell"
     logs = kernel.value("run.remote['logs']")
     assert all(pathlib.Path(p).parent == pathlib.Path(folder) for p in logs), logs
     assert _no_jobs()
