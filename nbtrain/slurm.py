@@ -41,7 +41,8 @@ from .watch import Watch, _cell_parent, _in_cell, _Job, _RemoteFailure
 __all__ = ["submit"]
 
 INSTALL = 'pip install "nbtrain[slurm]"'
-POLL_S = 1.0
+POLL_S = 0.5
+LINGER_S = 30.0  # how long a job whose tasks all returned may stay in the queue
 # submitit's own parameters that mean what sbatch's options of the same names mean.
 _SUBMITIT = {"partition", "time", "cpus_per_task", "cpus_per_gpu", "gpus_per_node",
              "gpus_per_task", "qos", "setup", "teardown", "mem", "mem_per_gpu",
@@ -188,6 +189,7 @@ class _SlurmJob(_Job):
         super().__init__(run)
         self.job, self.watch = job, watch
         self.workers = {rank: _Rank() for rank in range(world_size)}
+        self._written_at: float | None = None
         self._thread = threading.Thread(target=self._poll, name="nbtrain-slurm", daemon=True)
 
     def start(self) -> None:
@@ -216,11 +218,15 @@ class _SlurmJob(_Job):
             self.done.set()
 
     def _finished(self) -> bool:
-        """Every task wrote its result file, or the job left the queue."""
-        if all(self.job.task(i).paths.result_pickle.exists()
-               for i in range(len(self.workers))):
+        """The job left SLURM's queue (its processes are gone), or every task wrote its
+        result file ``LINGER_S`` ago and it still lingers (a slow epilogue)."""
+        if _squeue_state(self.job.job_id) is None:
             return True
-        return _squeue_state(self.job.job_id) is None
+        if not all(self.job.task(i).paths.result_pickle.exists()
+                   for i in range(len(self.workers))):
+            return False
+        self._written_at = self._written_at or time.monotonic()
+        return time.monotonic() - self._written_at > LINGER_S
 
     def _collect(self) -> None:
         if self.teardown_cause == "stop":
