@@ -88,7 +88,7 @@ IMPORTS = """
 import json, time
 stages = [("torch", "import torch"),
           ("multiprocess and dill (spawn's machinery)", "import multiprocess, dill"),
-          ("nbtrain (worker side)", "import nbtrain.launch.worker, nbtrain.context")]
+          ("nbtrain (worker side)", "import nbtrain.rank.worker, nbtrain.context")]
 seconds = {}
 for name, code in stages:
     start = time.perf_counter()

@@ -12,10 +12,10 @@ from .errors import RunStoppedError, RunTimeoutError, WorkerError, remember_cell
 from .launch import launch
 from .launch.pool import RankPool
 from .run import Run, last_run
-from .slurm import submit
+from .scaleout.listen import listen
+from .scaleout.slurm import submit
 from .telemetry.options import Telemetry
 from .ui import StrategyPicker, compare, progress
-from .watch import listen
 
 __all__ = ["Context", "RankPool", "Run", "RunStoppedError", "RunTimeoutError",
            "StrategyPicker", "Telemetry", "WorkerError", "compare", "last_run", "launch",

@@ -20,11 +20,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo(argv[1:])
     if argv[0] == "run":
-        from .launch.command import main as run
+        from .scaleout.command import main as run
 
         return run(argv[1:])
     if argv[0] == "_rank":  # one process torchrun started for `nbtrain run`
-        from .launch.command import rank_main
+        from .scaleout.command import rank_main
 
         return rank_main(argv[1:])
     print(f"unknown command {argv[0]!r}; try: nbtrain --help", file=sys.stderr)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import pickle
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from .telemetry.events import Event, Lifecycle, Output
 from .telemetry.history import History
 from .telemetry.sinks import Sink, SinkDispatcher
 from .telemetry.summary import Summary, summarize
+from .wire import Outcome, decode_result, label
 
 # How runs are shown: a UI registers itself here, so Run depends on no UI.
 #   "attach": (run, dashboard) -> a live view (a sink with .start()) or None
@@ -216,7 +216,7 @@ class Run:
         except Exception:
             pass
 
-    def _attach(self, supervisor, cleanup: list) -> None:
+    def _attach(self, supervisor: Outcome, cleanup: list) -> None:
         global _LAST
         _LAST = self
         self._supervisor = supervisor
@@ -290,7 +290,7 @@ class Run:
                         "printed above. In a script, the common cause is launching at "
                         "import: put the launch under `if __name__ == \"__main__\":`.")
             self._error = WorkerError(root.rank, root.exc_type, root.message,
-                                      _label(cell_names(root.traceback), root.rank), others,
+                                      label(cell_names(root.traceback), root.rank), others,
                                       hint)
             # launch() showed a live view in this cell: it shows the traceback already
             self._error.shown_in_cell = getattr(self, "_nbtrain_shown_in", None)
@@ -303,7 +303,7 @@ class Run:
         for rank in range(self.world_size):
             data = workers[rank].result
             try:
-                results.append(pickle.loads(data[1:]) if data[:1] == b"P" else _dill_loads(data[1:]))
+                results.append(decode_result(data))
             except Exception as err:
                 self._status = "failed"
                 self._error = WorkerError(rank, type(err).__name__,
@@ -322,18 +322,9 @@ class Run:
                 self._streams["err"].flush()
 
 
-def _dill_loads(data: bytes) -> Any:
-    import dill
-
-    return dill.loads(data)
-
 
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else text
-
-
-def _label(traceback: str, rank: int) -> str:
-    return "\n".join(f"[rank {rank}] {line}" for line in traceback.rstrip().splitlines())
 
 
 def _stop_active_runs() -> None:

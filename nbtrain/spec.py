@@ -43,7 +43,7 @@ class WorkerSpec:
             "MASTER_ADDR": self.store_host,
             "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
             "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.world_size),
-            "GROUP_RANK": "0", "NBTRAIN_WORKER": "1",  # not a torchrun rank: see torchrun.py
+            "GROUP_RANK": "0", "NBTRAIN_WORKER": "1",  # not a torchrun rank: see scaleout/torchrun.py
         }
         if self.store_port is not None:  # else set once rank 0's store is up
             env["MASTER_PORT"] = str(self.store_port)

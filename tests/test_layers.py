@@ -81,15 +81,47 @@ def test_circles_are_found():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_run_and_launch_know_no_ui():
+# Per room, the rooms its modules may not import (every module of the room is checked,
+# its package's __init__ too). The notebook's UI is reached only through the Run's view
+# registry; a rank's code knows nothing of the kernel's side; the wire imports nothing.
+FORBIDDEN = {
+    "nbtrain.wire": ("nbtrain",),
+    "nbtrain.rank": ("nbtrain.launch", "nbtrain.run", "nbtrain.scaleout",
+                     "nbtrain.ui", "nbtrain.magics", "nbtrain.cells"),
+    "nbtrain.launch": ("nbtrain.ui", "nbtrain.magics"),
+    "nbtrain.run": ("nbtrain.ui", "nbtrain.launch", "nbtrain.rank"),
+    "nbtrain.errors": ("nbtrain.ui", "nbtrain.launch", "nbtrain.rank"),
+    "nbtrain.telemetry": ("nbtrain.ui", "nbtrain.launch", "nbtrain.rank", "nbtrain.run"),
+    "nbtrain.strategies": ("nbtrain.ui", "nbtrain.launch", "nbtrain.rank", "nbtrain.run"),
+    "nbtrain.context": ("nbtrain.ui", "nbtrain.launch", "nbtrain.rank", "nbtrain.run"),
+}
+# The device plan is plain data the strategies check (launch/devices.py decides it).
+ALLOWED = {("nbtrain.strategies", "nbtrain.launch.devices")}
+
+
+def test_each_module_imports_only_what_its_room_may():
     graph = import_graph()
-    for module in ("nbtrain.run", "nbtrain.launch", "nbtrain.errors", "nbtrain.telemetry.sinks"):
-        assert not {m for m in graph[module] if m.startswith("nbtrain.ui")}, module
+    checked = 0
+    for module, imports in graph.items():
+        for room, forbidden in FORBIDDEN.items():
+            if module != room and not module.startswith(room + "."):
+                continue
+            checked += 1
+            bad = {m for m in imports if m.startswith(forbidden) and (room, m) not in ALLOWED}
+            assert not bad, f"{module} imports {sorted(bad)}, which {room} may not"
+    assert checked >= 35  # every module of those rooms, not one node per package
+
+
+def test_a_launch_module_that_imported_the_ui_would_be_caught():
+    graph = import_graph()
+    graph["nbtrain.launch.pool"] = graph["nbtrain.launch.pool"] | {"nbtrain.ui.dashboard"}
+    forbidden = FORBIDDEN["nbtrain.launch"]
+    assert any(m.startswith(forbidden) for m in graph["nbtrain.launch.pool"])
 
 
 def test_the_worker_side_loads_no_notebook_machinery():
-    code = ("import sys, nbtrain.context, nbtrain.strategies, nbtrain.launch.worker, "
-            "nbtrain.launch.torchrun, nbtrain.launch.command, nbtrain.watch; "
+    code = ("import sys, nbtrain.context, nbtrain.strategies, nbtrain.rank.worker, "
+            "nbtrain.scaleout.torchrun, nbtrain.scaleout.command, nbtrain.scaleout.listen; "
             "print(sorted(m for m in sys.modules "
             "if m.split('.')[0] in ('ipywidgets', 'plotly', 'IPython', 'ipykernel')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -19,7 +19,7 @@ import torch
 from workloads import train
 
 import nbtrain
-from nbtrain.launch import clusters
+from nbtrain.scaleout import clusters
 
 TESTS = pathlib.Path(__file__).resolve().parent
 JOB = TESTS / "torchrun_job.py"

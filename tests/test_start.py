@@ -14,7 +14,8 @@ import pytest
 from workloads import fail_on
 
 import nbtrain
-from nbtrain.launch import supervisor, worker
+from nbtrain.launch import supervisor
+from nbtrain.rank import worker
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -74,7 +75,7 @@ def test_a_rank_that_never_joins_is_named_with_where_it_waits(monkeypatch):
 def test_a_pool_rank_that_never_joins_fails_the_start(monkeypatch):
     monkeypatch.setattr(supervisor, "JOIN_TIMEOUT_S", 2.0)
     monkeypatch.setattr(worker, "init_distributed", _stuck_before_joining)
-    from nbtrain.launch import pool_worker
+    from nbtrain.rank import pool_worker
 
     monkeypatch.setattr(pool_worker, "init_distributed", _stuck_before_joining)
     with pytest.raises(nbtrain.WorkerError, match="rank 1 did not join") as info:

@@ -124,7 +124,7 @@ def test_two_torchrun_nodes_train_what_launch_trains(strategy, tmp_path):
 
 
 def test_nbtrain_run_reads_the_function_and_its_arguments():
-    from nbtrain.launch import command
+    from nbtrain.scaleout import command
 
     assert command.function_args(["3", "'x'", "lr=3e-4", "name=tiny", "dims=(2, 4)"]) == (
         [3, "x"], {"lr": 3e-4, "name": "tiny", "dims": (2, 4)})

@@ -8,6 +8,6 @@ inside a worker: the metrics a framework logs, per rank, as ``Metric`` events.
   ``Trainer(..., callbacks=[nbtrain.integrations.transformers.NbtrainCallback()])``
   (transformers has no way to attach callbacks from outside).
 
-Steps, step time, memory and the loss need neither: see ``nbtrain/launch/guests.py``.
+Steps, step time, memory and the loss need neither: see ``hosting.py``.
 Worker side: these import ``nbtrain.telemetry.active`` only.
 """

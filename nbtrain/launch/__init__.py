@@ -13,12 +13,15 @@ from typing import Any
 from .. import seeding, strategies
 from ..cells import busy_while_blocking
 from ..run import DASHBOARDS, Run
+from ..scaleout import clusters
+from ..scaleout.torchrun import detected as under_torchrun
+from ..scaleout.torchrun import run_in_process
 from ..spec import WorkerSpec
 from ..strategies import Strategy
 from ..telemetry.channel import TelemetryServer
 from ..telemetry.options import Telemetry
 from ..telemetry.sinks import Sink
-from . import calls, clusters
+from . import calls
 from .devices import parse_devices, threads_per_worker
 from .fork import ForkLauncher
 from .forkserver import ForkServerLauncher
@@ -26,8 +29,6 @@ from .guards import choose_start_method, fork_threads
 from .launcher import Launcher, interrupts_deferred
 from .spawn import SpawnLauncher
 from .supervisor import Supervisor, kill_group
-from .torchrun import detected as under_torchrun
-from .torchrun import run_in_process
 
 __all__ = ["launch"]
 

@@ -22,8 +22,8 @@ import dataclasses
 import inspect
 from typing import Any
 
+from ..rank.worker import CallWithoutCtx
 from ..strategies import Strategy, get
-from .worker import CallWithoutCtx
 
 _NOT_OPTIONS = ("name", "start_method")
 

@@ -28,8 +28,8 @@ from .spawn import SpawnLauncher
 from .warm import COMMON
 
 # What every worker imports before the user's function runs, imported once in the server.
-PRELOAD = ("torch", "torch.distributed", *COMMON, "dill", "nbtrain.launch.worker",
-           "nbtrain.launch.pool_worker", "nbtrain.context", "nbtrain.telemetry.channel")
+PRELOAD = ("torch", "torch.distributed", *COMMON, "dill", "nbtrain.rank.worker",
+           "nbtrain.rank.pool_worker", "nbtrain.context", "nbtrain.telemetry.channel")
 
 _lock = threading.Lock()
 

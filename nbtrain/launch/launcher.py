@@ -46,7 +46,7 @@ class Launcher(Protocol):
 def start_with_context(mp_context, spec: WorkerSpec, payload: Any) -> WorkerHandle:
     """Start ``worker.main`` (``pool_worker.main`` for a pool's worker) with pipes from
     ``mp_context`` (a fork or a spawn context)."""
-    from . import pool_worker, worker
+    from ..rank import pool_worker, worker
     from .guards import fork_quietly
 
     control_r, control_w = mp_context.Pipe(duplex=False)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import pickle
 import signal
@@ -32,10 +31,10 @@ from typing import Any
 
 from ..cells import busy_while_blocking
 from ..spec import WorkerSpec
+from ..wire import decode_json, decode_result
 from .launcher import WorkerHandle, interrupts_deferred
 from .pool_op import INTERRUPT_GRACE_S, PoolOp, RankCellError, cell_error
 from .supervisor import kill_group
-from .worker import RESULT_PICKLE
 
 EXIT_GRACE_S = 2.0  # after "exit", how long before SIGKILL
 _HOST = "127.0.0.1"
@@ -127,7 +126,7 @@ class RankPool:
                 with interrupts_deferred():  # a started worker always has a handle
                     handles.append(launcher.start(spec, None))
             self._handles, self._launcher = handles, launcher
-            # Rank 0 hosts the store (see worker.py); the op passes its port on, and
+            # Rank 0 hosts the store (see rank/worker.py); the op passes its port on, and
             # waits for every rank's READY.
             op = self._begin(list(range(self.world_size)), None, None, join=True)
             self._finish(op)
@@ -362,17 +361,14 @@ class RankPool:
         self._cells += 1
         command = {"op": "exec", "code": code, "filename": f"<%%ranks cell {self._cells}>"}
         op = self._command(ranks, command, "cell", timeout)
-        return {r: json.loads(w.result[1:])["repr"] for r, w in sorted(op.workers.items())}
+        return {r: decode_json(w.result)["repr"] for r, w in sorted(op.workers.items())}
 
     def pull(self, name: str, ranks: int | list[int] | None = None) -> list[Any]:
         """The value of ``name`` on each rank (tensors moved to CPU), in rank order."""
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"pull({name!r}): give the name of a variable on the ranks.")
         op = self._command(ranks, {"op": "pull", "name": name}, "pull")
-        from ..run import _dill_loads
-
-        return [pickle.loads(w.result[1:]) if w.result[:1] == RESULT_PICKLE
-                else _dill_loads(w.result[1:]) for _, w in sorted(op.workers.items())]
+        return [decode_result(w.result) for _, w in sorted(op.workers.items())]
 
     def push(self, ranks: int | list[int] | None = None, **values: Any) -> None:
         """Define names on the ranks: ``pool.push(lr=0.1, x=torch.ones(3))``."""
@@ -399,7 +395,7 @@ class RankPool:
                 all(h.process.exitcode is None for h in self._handles):
             with contextlib.suppress(Exception):
                 op = self._command(None, {"op": "memory"}, "status")
-                memory = {r: json.loads(w.result[1:]) for r, w in op.workers.items()}
+                memory = {r: decode_json(w.result) for r, w in op.workers.items()}
         for rank in range(self.world_size):
             h = self._handles[rank] if self._handles else None
             alive = h is not None and h.process.exitcode is None

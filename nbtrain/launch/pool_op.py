@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 
 from ..errors import WorkerError
+from ..wire import label
 from .launcher import WorkerHandle
-from .supervisor import Failure, Supervisor, _Worker
+from .supervisor import Failure, Supervisor, _Worker, exit_failure
 
 INTERRUPT_GRACE_S = 3.0  # after SIGINT, how long busy ranks get to reply
 RESEND_S = 0.25  # SIGINT again to ranks that have not replied yet
@@ -37,7 +38,7 @@ class RankCellError(WorkerError):
         self.failures = dict(failures)
         first = min(failures)
         exc_type, message, _ = failures[first]
-        tracebacks = "\n".join(_label(tb or f"{t}: {m}\n", r)
+        tracebacks = "\n".join(label(tb or f"{t}: {m}\n", r)
                                for r, (t, m, tb) in sorted(failures.items()))
         others = [f"rank {r}: also failed with {t}: {_first_line(m)}"
                   for r, (t, m, _) in sorted(failures.items()) if r != first]
@@ -135,7 +136,7 @@ class PoolOp(Supervisor):
             return  # we ended it
         self.died.append(h.rank)
         if w.failure is None:
-            w.failure = _death(h.rank, w.exitcode)
+            w.failure = exit_failure(h.rank, w.exitcode)
 
     def _drain_output(self) -> None:
         """What is in the pipes now: a worker flushes its output before it replies, so
@@ -155,36 +156,12 @@ class PoolOp(Supervisor):
                 os.close(fd)
 
 
-def _death(rank: int, exitcode: int) -> Failure:
-    from ..errors import signal_hint, signal_name
-
-    if exitcode < 0:
-        sig = -exitcode
-        return Failure(rank, signal_name(sig),
-                       f"rank {rank} was killed by {signal_name(sig)} (signal {sig}) "
-                       "without a Python traceback", "", time.monotonic(),
-                       hint=signal_hint(sig))
-    return Failure(rank, "WorkerExit", f"rank {rank} exited with code {exitcode} "
-                   "(os._exit() or a crash in native code?)", "", time.monotonic())
-
-
 def _readable(w: _Worker, stream: str) -> bool:
     conn = w.handle.out if stream == "out" else w.handle.err
     try:
         return bool(selectors.select.select([conn.fileno()], [], [], 0)[0])
     except (OSError, ValueError):
         return False
-
-
-def _poll(conn) -> bool:
-    try:
-        return conn.poll()
-    except (OSError, EOFError):
-        return False
-
-
-def _label(text: str, rank: int) -> str:
-    return "\n".join(f"[rank {rank}] {line}" for line in text.rstrip().splitlines())
 
 
 def _first_line(text: str) -> str:

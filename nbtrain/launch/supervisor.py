@@ -8,7 +8,6 @@ One selector waits on everything at once: each worker's exit sentinel, its contr
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import selectors
@@ -18,16 +17,16 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import signal_hint, signal_name
-from .guests import ACTIVITY, trained_alone
+from ..integrations.hosting import trained_alone
+from ..wire import ACTIVITY, AT_STORE, FAILURE, JOINED, STORE, decode_failure, decode_json
 from .launcher import WorkerHandle
-from .worker import AT_STORE, FAILURE, JOINED, STORE
 
 FAILURE_GRACE_S = 0.25  # after a first failure, wait this long for the root cause to report
 TERM_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
 DRAIN_S = 1.0  # after exits, how long to wait for the last output lines
 # A rank that has not joined its process group this long after the start is named, with
 # its Python stack, and the start fails (a fork once copied a held lock into a rank,
-# which then waited forever; see worker.py). Generous: spawn imports torch in every rank
+# which then waited forever; see rank/worker.py). Generous: spawn imports torch in every rank
 # and NCCL's first communicator takes seconds on 8 GPUs.
 JOIN_TIMEOUT_S = 120.0
 STACK_WAIT_S = 1.0  # after SIGUSR1, how long a late rank gets to print its stack
@@ -60,10 +59,10 @@ class _Worker:
     result: bytes | None = None
     failure: Failure | None = None
     control_open: bool = True
-    at_store: bool = False  # it reached rank 0's store (worker.AT_STORE)
-    joined: bool = False  # its process group is up (worker.JOINED)
+    at_store: bool = False  # it reached rank 0's store (wire.AT_STORE)
+    joined: bool = False  # its process group is up (wire.JOINED)
     stack: list[str] | None = None  # stderr lines since it was asked for its stack
-    activity: dict | None = None  # what its function did (guests.ACTIVITY)
+    activity: dict | None = None  # what its function did (wire.ACTIVITY)
     partial: dict[str, str] = field(default_factory=lambda: {"out": "", "err": ""})
 
 
@@ -272,13 +271,13 @@ class Supervisor:
             w.at_store = True
             return
         if tag == ACTIVITY:
-            w.activity = json.loads(data[1:])
+            w.activity = decode_json(data)
             return
         if tag == JOINED:
             w.joined = True
             return
         if tag == FAILURE:
-            body = json.loads(data[1:])
+            body = decode_failure(data)
             text = body["type"] + ": " + body["message"] + "\n" + body["traceback"]
             w.failure = Failure(w.handle.rank, body["type"], body["message"], body["traceback"],
                                 time.monotonic(), secondary=bool(_COMM_ERROR.search(text)))
@@ -310,18 +309,7 @@ class Supervisor:
             return
         if self.teardown_cause == "failure" and w.exitcode < 0:
             return  # we ended it
-        rank = h.rank
-        if w.exitcode < 0:
-            sig = -w.exitcode
-            w.failure = Failure(rank, signal_name(sig),
-                                f"rank {rank} was killed by {signal_name(sig)} (signal {sig}) "
-                                "without a Python traceback", "", time.monotonic(),
-                                hint=signal_hint(sig))
-        else:
-            w.failure = Failure(rank, "WorkerExit",
-                                f"rank {rank} exited with code {w.exitcode} before returning "
-                                "(os._exit() or a crash in native code?)", "",
-                                time.monotonic())
+        w.failure = exit_failure(h.rank, w.exitcode)
 
     def _read_output(self, w: _Worker, stream: str) -> bool:
         conn = w.handle.out if stream == "out" else w.handle.err
@@ -379,6 +367,18 @@ class Supervisor:
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def exit_failure(rank: int, exitcode: int) -> Failure:
+    """A rank that exited without a report: killed by a signal, or an exit code."""
+    if exitcode < 0:
+        sig = -exitcode
+        return Failure(rank, signal_name(sig),
+                       f"rank {rank} was killed by {signal_name(sig)} (signal {sig}) "
+                       "without a Python traceback", "", time.monotonic(),
+                       hint=signal_hint(sig))
+    return Failure(rank, "WorkerExit", f"rank {rank} exited with code {exitcode} before "
+                   "returning (os._exit() or a crash in native code?)", "", time.monotonic())
 
 
 def _poll(conn) -> bool:

@@ -62,7 +62,7 @@ class Recorder:
             model.register_forward_pre_hook(self._before_forward)
             model.register_forward_hook(self._after_forward)
 
-    # -- a loop that never touches ctx (launch/guests.py) -------------------------------
+    # -- a loop that never touches ctx (integrations/hosting.py) -------------------------------
     def adopt_start(self) -> None:
         """The function started: without ctx.setup, step 0 starts here."""
         self._watched_at = time.monotonic()

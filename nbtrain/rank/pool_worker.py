@@ -3,7 +3,7 @@ a namespace, and runs what the kernel sends until told to exit.
 
 Commands come on a pipe only the kernel writes (a pickled dict, kernel -> worker); every
 command gets exactly one reply on the control pipe, in the one-shot worker's format
-(``worker.RESULT_*`` / ``worker.FAILURE``) or one of the tags below:
+(``wire.RESULT_*`` / ``wire.FAILURE``) or one of the tags below:
 
 - ``exec``: a ``%%ranks`` cell's code; the value of its last expression comes back as text
   (``VALUE`` + JSON), as a REPL would show it.
@@ -32,20 +32,10 @@ import signal
 import sys
 from typing import Any
 
-from .worker import (
-    FAILURE,
-    WorkerSpec,
-    _exit,
-    encode_failure,
-    encode_result,
-    execute,
-    init_distributed,
-    run_as_worker,
-)
+from ..spec import WorkerSpec
+from ..wire import MEMORY, READY, VALUE, encode_failure, encode_result
+from .worker import _exit, execute, init_distributed, run_as_worker
 
-READY = b"R"  # the process group is up
-VALUE = b"V"  # JSON {"repr": str | None}
-MEMORY = b"M"  # JSON, see memory()
 MAX_REPR = 20_000  # characters of a last expression's repr sent back
 
 
@@ -207,4 +197,4 @@ def _rss() -> int:
         return 0
 
 
-__all__ = ["FAILURE", "MEMORY", "READY", "VALUE", "serve"]
+__all__ = ["serve"]

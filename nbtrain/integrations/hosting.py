@@ -25,7 +25,7 @@ runs in a worker (``hosted``), nbtrain makes them work, and restores everything 
   ``backward()`` is called on (unscaled when a ``GradScaler`` scaled it). Frameworks'
   own logged metrics come through ``nbtrain.integrations``.
 - **Whether the ranks trained together**: the collectives each rank issued on the
-  run's group and the optimizer steps it took are reported (``ACTIVITY``), and a run
+  run's group and the optimizer steps it took are reported (``wire.ACTIVITY``), and a run
   whose ranks all stepped without a single collective is told so at the end.
 """
 
@@ -33,11 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import sys
 from typing import Any
-
-ACTIVITY = b"A"  # control message: JSON {"collectives": int, "optimizer_steps": int}
 
 
 @contextlib.contextmanager
@@ -76,10 +73,6 @@ def hosted(fn, ctx, observe_steps: bool):
         for restore in reversed(undo):
             with contextlib.suppress(Exception):
                 restore()
-
-
-def activity_message(activity: dict[str, int]) -> bytes:
-    return ACTIVITY + json.dumps(activity).encode()
 
 
 def _sequence(dist) -> int:

@@ -2,7 +2,8 @@
 
 The parent hands the worker a ``WorkerSpec`` (plain data), the user's function (as an
 object after fork, as dill bytes after spawn) and four pipe ends: control (result or
-error, back to the kernel), stdout, stderr, and commands (kernel -> worker: first the
+error, back to the kernel; messages in ``wire.py``), stdout, stderr, and commands
+(kernel -> worker: first the
 rendezvous address, then, for a ``RankPool`` worker (``spec.pool``), the commands it
 waits for in ``pool_worker.main`` instead of one function).
 
@@ -18,9 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-import json
 import os
-import pickle
 import signal
 import sys
 import time
@@ -28,14 +27,16 @@ import traceback
 from typing import Any
 
 from ..spec import WorkerSpec
-
-# Message tags on the control pipe (worker -> kernel).
-RESULT_PICKLE = b"P"
-RESULT_DILL = b"D"
-FAILURE = b"E"
-STORE = b"S"  # rank 0's store is up, on this port (ASCII digits follow)
-AT_STORE = b"C"  # this rank reached the store; its process group starts now
-JOINED = b"J"  # this rank's process group is up
+from ..wire import (
+    AT_STORE,
+    FAILURE,
+    JOINED,
+    STORE,
+    decode_failure,
+    encode_activity,
+    encode_failure,
+    encode_result,
+)
 
 
 def _bootstrap_stacks() -> None:
@@ -200,7 +201,7 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
     event before it reads the result. ``setup`` runs after telemetry connects (the
     process group's start, in a one-shot worker). ``telemetry``: where events go instead
     of a client to ``spec.telemetry_address`` (a torchrun rank's own; closed here too).
-    ``report`` gets the function's activity message (``guests.ACTIVITY``) before the
+    ``report`` gets the function's activity message (``wire.ACTIVITY``) before the
     result is returned, when the function returned."""
     from ..context import Context
     from ..seeding import rank_seed, seed_all
@@ -220,13 +221,13 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
                                      state="started"))
         seed_all(rank_seed(spec.seed, spec.rank))  # the same rule after fork and spawn
         strategy.start_rank(ctx.device)
-        from .guests import activity_message, hosted
+        from ..integrations.hosting import hosted
 
         with hosted(fn, ctx, observe_steps=isinstance(fn, CallWithoutCtx)) as activity:
             result = fn(ctx, *args, **kwargs)
         ctx._close()
         if report is not None:
-            report(activity_message(activity))
+            report(encode_activity(activity))
         message = encode_result(result, spec.rank)
         if telemetry:
             telemetry.send(Lifecycle(rank=spec.rank, step=ctx.step, t=time.monotonic(),
@@ -237,11 +238,11 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
                 ctx._close()
             except Exception:
                 pass
-        message = encode_failure(exc, spec.rank)
+        message = encode_failure(exc, spec.rank, (__file__,))
         if telemetry:
             telemetry.send(Lifecycle(rank=spec.rank, step=ctx.step if ctx else 0,
                                      t=time.monotonic(), state="failed",
-                                     detail=json.loads(message[1:])["traceback"][-50_000:]))
+                                     detail=decode_failure(message)["traceback"][-50_000:]))
     if telemetry:
         telemetry.close()  # every event is in the kernel before the result is
     return message
@@ -253,69 +254,3 @@ def _load(payload: Any):
 
         return dill.loads(payload)
     return payload
-
-
-def to_cpu(obj: Any) -> Any:
-    """Tensors anywhere inside ``obj`` (dicts, lists, tuples) moved to CPU and detached."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        moved = {k: to_cpu(v) for k, v in obj.items()}
-        try:  # keep OrderedDict and friends
-            return moved if type(obj) is dict else type(obj)(moved)
-        except TypeError:
-            return moved
-    if isinstance(obj, list):
-        return [to_cpu(v) for v in obj]
-    if isinstance(obj, tuple):
-        items = [to_cpu(v) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
-
-
-def encode_result(result: Any, rank: int) -> bytes:
-    result = to_cpu(result)
-    try:
-        return RESULT_PICKLE + pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        pass
-    import dill
-
-    try:  # cell-defined classes and the like travel by value
-        return RESULT_DILL + dill.dumps(result, recurse=True)
-    except Exception as err:
-        where = _unpicklable_part(result)
-        raise TypeError(
-            f"rank {rank} returned a value that cannot be sent back to the kernel: {where} "
-            f"({err}). Return plain data (numbers, strings, tensors, dicts and lists of "
-            "them), e.g. ctx.full_state_dict(model) instead of the model.") from None
-
-
-def _unpicklable_part(obj: Any, path: str = "the result") -> str:
-    import dill
-
-    children: list[tuple[str, Any]] = []
-    if isinstance(obj, dict):
-        children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
-    elif isinstance(obj, (list, tuple)):
-        children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
-    for child_path, child in children:
-        try:
-            dill.dumps(child, recurse=True)
-        except Exception:
-            return _unpicklable_part(child, child_path)
-    return f"{path} of type {type(obj).__name__}"
-
-
-def encode_failure(exc: BaseException, rank: int, skip: tuple[str, ...] = ()) -> bytes:
-    """The failure as JSON; leading frames of nbtrain's bootstrap files (this one, and
-    ``skip``) are left out of the traceback."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, *skip):
-        tb = tb.tb_next  # the user's frames only, not nbtrain's bootstrap
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    body = {"rank": rank, "type": type(exc).__name__, "module": type(exc).__module__,
-            "message": str(exc), "traceback": text}
-    return FAILURE + json.dumps(body).encode()

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from .run import Run
-from .telemetry.channel import TelemetryServer, format_address
-from .telemetry.events import Event, Lifecycle
+from ..run import Run
+from ..telemetry.channel import TelemetryServer, format_address
+from ..telemetry.events import Event, Lifecycle
 
 __all__ = ["Watch", "listen"]
 
@@ -120,7 +120,7 @@ class Watch:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
                  dashboard: bool | str = "auto"):
-        from .run import DASHBOARDS
+        from ..run import DASHBOARDS
 
         if dashboard not in DASHBOARDS:
             raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, "
@@ -161,7 +161,7 @@ class Watch:
 
     def compare(self, **options):
         """``nbtrain.compare`` of the finished watched runs (memory, speed, a takeaway)."""
-        from .ui import compare
+        from ..ui import compare
 
         return compare(*[r for r in self.runs if r.status == "done"], **options)
 
@@ -235,7 +235,7 @@ class Watch:
 
 def _strategy(name):
     """The registered strategy of that name (what compare() reads), else its name."""
-    from . import strategies
+    from .. import strategies
 
     try:
         return strategies.get(str(name))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
-import json
 import os
 import socket
 import sys
@@ -29,13 +28,14 @@ import uuid
 from typing import Any
 
 from ..errors import WorkerError
+from ..launch.devices import DevicePlan, resolve_accelerator
+from ..rank.worker import execute
 from ..run import Run
 from ..spec import WorkerSpec
 from ..telemetry.channel import TelemetryClient, parse_address
 from ..telemetry.events import Event, decode, encode
 from ..telemetry.options import Telemetry
-from .devices import DevicePlan, resolve_accelerator
-from .worker import FAILURE, execute
+from ..wire import FAILURE, decode_failure, label
 
 ATTACH_ENV = "NBTRAIN_ATTACH"
 RUN_ID_ENV = "NBTRAIN_RUN_ID"  # the run's id for the listener (nbtrain.submit sets it)
@@ -227,12 +227,11 @@ def _leave(dist) -> None:
 
 
 def _raise(message: bytes) -> None:
-    body = json.loads(message[1:])
+    body = decode_failure(message)
     if body["type"] == "KeyboardInterrupt":
         raise KeyboardInterrupt(body["message"])
-    label = "\n".join(f"[rank {body['rank']}] {line}"
-                      for line in body["traceback"].rstrip().splitlines())
-    raise WorkerError(body["rank"], body["type"], body["message"], label)
+    raise WorkerError(body["rank"], body["type"], body["message"],
+                      label(body["traceback"], body["rank"]))
 
 
 def _attach(spec: WorkerSpec, run_id: str, name: str, strategy: str) -> TelemetryClient | None:

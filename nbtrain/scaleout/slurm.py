@@ -29,14 +29,14 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from . import strategies
-from .launch import calls
-from .launch.spawn import serialize
-from .launch.torchrun import ATTACH_ENV, RUN_ID_ENV
-from .launch.worker import encode_result
-from .run import DASHBOARDS, Run
-from .telemetry.options import Telemetry
-from .watch import Watch, _cell_parent, _in_cell, _Job, _RemoteFailure
+from .. import strategies
+from ..launch import calls
+from ..launch.spawn import serialize
+from ..run import DASHBOARDS, Run
+from ..telemetry.options import Telemetry
+from ..wire import encode_result
+from .listen import Watch, _cell_parent, _in_cell, _Job, _RemoteFailure
+from .torchrun import ATTACH_ENV, RUN_ID_ENV
 
 __all__ = ["submit"]
 
@@ -168,7 +168,7 @@ def _task(payload: bytes, accelerator: str, options: Telemetry, seed: int | None
     results (gathered), the others None."""
     import dill
 
-    from .launch import launch
+    from ..launch import launch
 
     os.environ.update(environ)
     fn, args, kwargs, strategy = dill.loads(payload)

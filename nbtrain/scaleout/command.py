@@ -96,7 +96,7 @@ def _without_attach(argv: list[str]) -> list[str]:
 
 def rank_main(argv: list[str]) -> int:
     """One torchrun process: load the function and ``launch()`` it as this rank."""
-    from . import launch
+    from ..launch import launch
 
     options = parser().parse_intermixed_args(argv)
     path, name = _split(options.target)
