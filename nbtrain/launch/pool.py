@@ -287,14 +287,18 @@ class RankPool:
                 while not op.done.wait(0.05):
                     pass
         except KeyboardInterrupt:
-            op.request_stop("interrupted")
-            while True:  # a second interrupt does not cut the teardown short
-                try:
-                    if op.done.wait(0.05):
-                        break
-                except KeyboardInterrupt:
-                    pass
+            self._interrupt_and_wait(op)
             raise
+
+    @staticmethod
+    def _interrupt_and_wait(op: PoolOp) -> None:
+        op.request_stop("interrupted")
+        while True:  # a second interrupt does not cut the teardown short
+            try:
+                if op.done.wait(0.05):
+                    break
+            except KeyboardInterrupt:
+                pass
 
     def _ranks(self, ranks) -> list[int]:
         if ranks is None:
@@ -321,14 +325,21 @@ class RankPool:
             self._ensure_started()
             dead = [h.rank for h in self._handles if h.process.exitcode is not None]
             deadline = time.monotonic() + timeout if timeout else None
-            # A rank that died since the last command: report it, and end the pool.
-            op = (self._begin(dead, None, None) if dead
-                  else self._begin(ranks, command, deadline))
-            interrupted = False
+            op, interrupted = None, False
             try:
+                # An interrupt while the command goes out is taken once it is out: the
+                # ranks are then interrupted as they would be a moment later.
+                with interrupts_deferred():
+                    # A rank that died since the last command: report it, end the pool.
+                    op = (self._begin(dead, None, None) if dead
+                          else self._begin(ranks, command, deadline))
                 self._wait(op)
             except KeyboardInterrupt:
+                if op is None:
+                    raise
                 interrupted = True
+                if not op.done.is_set():
+                    self._interrupt_and_wait(op)
             self._finish(op)
         note = f"The pool's workers were ended: {self._ended}. " \
                "Its next use starts new ones." if not self._handles else ""
