@@ -13,7 +13,20 @@ from kernel import Kernel
 from nbtrain.launch.devices import cuda_device_count
 
 
+# The fast lane (`python -m pytest -q -m "not slow" tests`, a few minutes) leaves these
+# out: real kernels and browsers, the benchmarks' smoke runs, the model zoo, DeepSpeed,
+# fresh venvs, the README's example and the many-starts stress test. CI runs everything.
+SLOW_FILES = {"test_benchmarks.py", "test_models.py", "test_deepspeed.py",
+              "test_fresh_env.py", "test_readme.py", "test_demo.py"}
+SLOW_TESTS = {"test_ranks_that_return_at_once_never_fail_a_peer_still_joining",
+              "test_an_interrupted_run_resumes_where_its_last_checkpoint_was"}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (item.path.name in SLOW_FILES or getattr(item, "originalname", "") in SLOW_TESTS
+                or item.get_closest_marker("kernel") or item.get_closest_marker("browser")):
+            item.add_marker(pytest.mark.slow)
     # Counted through NVML: torch.cuda.is_available() would make every later fork in this
     # process unusable for CUDA, and the GPU tests would all spawn.
     if cuda_device_count() > 0:
