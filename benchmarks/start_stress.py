@@ -2,7 +2,7 @@
 
 A forked rank used to wait forever on a glibc lock it inherited held from the kernel
 (the kernel's rendezvous store formatted a peer's address with ``getnameinfo`` while the
-kernel forked the next rank): about 1 start in 30-60 with 4 ranks in a kernel, never in a
+kernel forked the next rank): about 1 start in 150 with 4 ranks in a kernel, never in a
 plain process. This counts starts in a kernel (jupyter_client, the way Jupyter drives
 one), each under a deadline, alternating the ways a user starts ranks:
 

@@ -71,7 +71,7 @@ def fork_quietly():
     """Python 3.12+ warns at every fork from a process with threads (a kernel always has
     them: its heartbeat, iopub and control threads). nbtrain forks knowingly: its
     children run no code that waits on another thread's lock (the reason for the
-    warning; see the rendezvous decision in docs/architecture.md), so the warning would
+    warning; see the rendezvous decision in docs/decisions.md), so the warning would
     be one the user cannot act on."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*multi-threaded, use of fork\(\)",

@@ -10,7 +10,7 @@ waits for in ``pool_worker.main`` instead of one function).
 The rendezvous store lives in rank 0, never in the kernel. A kernel that hosts one runs
 its server thread, and that thread formats each connecting peer's address with glibc's
 ``getnameinfo``: a fork at that instant copied the resolver's lock, held, into the next
-rank, which then waited for it forever on its own way to the store (about 1 start in 50
+rank, which then waited for it forever on its own way to the store (about 1 start in 150
 with 4 ranks in a Jupyter kernel). Rank 0 makes the store on a free port and says which
 on its control pipe; the kernel passes the port on to the other ranks.
 """
