@@ -12,7 +12,6 @@ from kernel import Kernel
 
 from nbtrain.launch.devices import cuda_device_count
 
-
 # The fast lane (`python -m pytest -q -m "not slow" tests`, a few minutes) leaves these
 # out: real kernels and browsers, the benchmarks' smoke runs, the model zoo, DeepSpeed,
 # fresh venvs, the README's example and the many-starts stress test. CI runs everything.
