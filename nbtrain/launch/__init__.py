@@ -4,37 +4,32 @@
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import seeding, strategies
 from ..cells import busy_while_blocking
-from ..run import DASHBOARDS, Run
+from ..run import Run
 from ..scaleout import clusters
 from ..scaleout.torchrun import detected as under_torchrun
 from ..scaleout.torchrun import run_in_process
-from ..spec import WorkerSpec
 from ..strategies import Strategy
 from ..telemetry.channel import TelemetryServer
 from ..telemetry.options import Telemetry
 from ..telemetry.sinks import Sink
-from . import calls
+from . import start
 from .devices import parse_devices, threads_per_worker
 from .fork import ForkLauncher
 from .forkserver import ForkServerLauncher
 from .guards import choose_start_method, fork_threads
-from .launcher import Launcher, interrupts_deferred
+from .launcher import Launcher
 from .spawn import SpawnLauncher
-from .supervisor import Supervisor, kill_group
+from .supervisor import Supervisor
 
 __all__ = ["launch"]
 
 LAUNCHERS: dict[str, type[Launcher]] = {"fork": ForkLauncher, "forkserver": ForkServerLauncher,
                                         "spawn": SpawnLauncher}
-_HOST = "127.0.0.1"
 
 
 def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = "auto",
@@ -100,70 +95,27 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
     rank raises ``WorkerError`` in its process. ``NBTRAIN_ATTACH=HOST:PORT:TOKEN`` (from
     ``nbtrain.listen()``) streams every rank's events to that notebook.
     """
-    fn, kwargs, resume, base_seed, options, chosen = _check_run_args(
-        "launch()", fn, args, kwargs, timeout, dashboard, resume, seed, telemetry, strategy)
+    request = start.check("launch()", fn, args, kwargs, strategy=strategy, timeout=timeout,
+                          telemetry=telemetry, sinks=sinks, dashboard=dashboard,
+                          resume=resume, seed=seed, background=background)
     # Ranks started by torchrun or a cluster (SLURM's srun, LSF's jsrun, Kubeflow): this
     # process is one; rank 0 picks the base seed there, and tells the others.
     started_by = "torchrun" if under_torchrun() else clusters.adopt()
     if started_by:
-        return run_in_process(fn, args, kwargs, chosen, accelerator, options, sinks,
-                              dashboard, resume, seed, started_by)
+        return run_in_process(request, accelerator, started_by)
     with busy_while_blocking():  # from here, widget traffic must not read as "Idle"
-        return _launch(fn, args, kwargs, devices, chosen, accelerator, start_method,
-                       background, timeout, sinks, dashboard, resume, seed, base_seed,
-                       options)
+        return _launch(request, devices, accelerator, start_method)
 
 
-def _launch(fn, args, kwargs, devices, chosen, accelerator, start_method, background,
-            timeout, sinks, dashboard, resume, seed, base_seed, options) -> Run:
+def _launch(request: start.Request, devices, accelerator: str, start_method: str) -> Run:
     plan = parse_devices(devices, accelerator)
-    chosen.check(plan)
-    method = _start_method(start_method, chosen, plan.accelerator)
+    request.strategy.check(plan)
+    method = _start_method(start_method, request.strategy, plan.accelerator)
     launcher = LAUNCHERS[method]()
-    payload = launcher.prepare(fn, args, kwargs, chosen)
-    run = Run(getattr(fn, "__name__", "fn"), chosen, plan, method, timeout, sinks,
-              seed=base_seed)
-    view = None
-    if dashboard is not False and options.enabled:
-        view = run.attach_view(dashboard)  # shows its header now, nothing heavy
-    _start(run, launcher, payload, plan, options, resume,
-           data_seed=seed if seed is not None else 0)
-    if view is not None:
-        view.start()  # the figure is built while the workers start, never before
-    return run if background else _wait_in_cell(run)
-
-
-def _wait_in_cell(run: Run, stop_timeout: float = 10.0) -> Run:
-    """Block until ``run`` ends; an interrupt stops it and says how to get it back."""
-    try:
-        run.wait()
-    except KeyboardInterrupt:
-        run.stop(reason="interrupted", timeout=stop_timeout)
-        step = run.last_step
-        at = f" at step {step}" if step is not None else ""
-        # A new exception, raised here: the traceback is the cell and this line, not
-        # the threading frames the wait was in.
-        raise KeyboardInterrupt(f"the run was stopped{at}; nbtrain.last_run() returns it, "
-                                "with its history.") from None
-    return run
-
-
-def _check_run_args(who: str, fn, args, kwargs, timeout, dashboard, resume, seed,
-                    telemetry, strategy):
-    """What ``launch()`` and ``pool.launch()`` take alike, checked before anything starts:
-    how ``fn`` is called (with ``ctx`` or without, which keywords are the strategy's;
-    ``calls.py``), the resume path, the base seed, the telemetry options and the
-    strategy."""
-    if not callable(fn):
-        raise TypeError(f"{who} takes the function to run first; got {type(fn).__name__}.")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
-    if dashboard not in DASHBOARDS:
-        raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, False, or "
-                         "force one view: 'widget', 'static' or 'text'.")
-    fn, kwargs, chosen = calls.plan(who, fn, args, kwargs, strategies.get(strategy))
-    return (fn, kwargs, _resume_path(resume), seeding.base_seed(seed),
-            Telemetry.from_arg(telemetry), chosen)
+    payload = launcher.prepare(request.fn, request.args, request.kwargs, request.strategy)
+    run, view = start.open_run(request, plan, method)
+    _start(run, launcher, payload, plan, request)
+    return start.finish(run, view, request.background)
 
 
 def _start_method(requested: str, strategy: Strategy, accelerator: str) -> str:
@@ -175,55 +127,27 @@ def _start_method(requested: str, strategy: Strategy, accelerator: str) -> str:
     return choose_start_method(preferred or requested, accelerator)
 
 
-def _resume_path(resume) -> str | None:
-    if resume is None:
-        return None
-    from ..checkpoint import exists
-
-    if not isinstance(resume, (str, os.PathLike)):
-        raise TypeError(f"resume={resume!r}: give the path of a checkpoint written by ctx.save.")
-    path = os.path.abspath(os.fspath(resume))
-    if not exists(path):
-        raise ValueError(f"resume={os.fspath(resume)!r}: no checkpoint there (ctx.save writes "
-                         "a directory with a .metadata file, or one file with full=True). "
-                         "Start without resume=, or check nbtrain.checkpoint.exists(path).")
-    return path
-
-
-def _start(run: Run, launcher: Launcher, payload: Any, plan, telemetry: Telemetry,
-           resume: str | None = None, data_seed: int = 0) -> None:
-    """Start every rank (rank 0 hosts the rendezvous store: see ``worker``) and hand them
-    to a ``Supervisor``, which passes the store's port on and watches them join."""
+def _start(run: Run, launcher: Launcher, payload: Any, plan, request: start.Request) -> None:
+    """Start every rank (rank 0 hosts the rendezvous store: see ``rank/worker.py``) and
+    hand them to a ``Supervisor``, which passes the store's port on and watches them join."""
     cleanup: list[Callable[[], None]] = [launcher.close]
-    handles = []
     try:
-        server = TelemetryServer(run._on_event, host=_HOST) if telemetry.enabled else None
-        if server is not None:
+        server = None
+        if request.telemetry.enabled:
+            server = TelemetryServer(run._on_event, host=start.HOST)
             ranks = set(range(plan.world_size))
             cleanup.append(lambda: server.drain_and_close(ranks))
-        pg_timeout = max(60.0, run.timeout) if run.timeout else 600.0
         threads = threads_per_worker(plan.world_size)
         if launcher.name == "fork":
             threads = fork_threads(threads)
-        for rank, index in enumerate(plan.indices):
-            spec = WorkerSpec(
-                rank=rank, local_rank=rank, world_size=plan.world_size,
-                accelerator=plan.accelerator,
-                device_index=index if plan.accelerator == "cuda" else None,
-                backend=plan.backend, store_host=_HOST, store_port=None,
-                telemetry_address=server.address if server else None,
-                telemetry_token=server.token if server else "",
-                num_threads=threads, pg_timeout_s=pg_timeout, parent_pid=os.getpid(),
-                die_with_parent=threading.current_thread() is threading.main_thread(),
-                telemetry=telemetry, resume_from=resume, seed=run.seed,
-                data_seed=data_seed)
-            with interrupts_deferred():  # a started worker always has a handle
-                handles.append(launcher.start(spec, payload))
+        specs = start.rank_specs(
+            plan, threads=threads,
+            pg_timeout=max(60.0, run.timeout) if run.timeout else 600.0,
+            telemetry_address=server.address if server else None,
+            token=server.token if server else "", telemetry=request.telemetry,
+            resume=request.resume, seed=run.seed, data_seed=request.data_seed)
+        handles = start.start_ranks(launcher, specs, payload)
     except BaseException:
-        for h in handles:
-            kill_group(h.pid, signal.SIGKILL)
-            h.process.join(5)
-            h.commands.close()
         for close in cleanup:
             close()
         raise

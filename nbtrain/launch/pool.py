@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import pickle
 import signal
 import sys
@@ -30,14 +29,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ..cells import busy_while_blocking
-from ..spec import WorkerSpec
 from ..wire import decode_json, decode_result
+from . import start
 from .launcher import WorkerHandle, interrupts_deferred
 from .pool_op import INTERRUPT_GRACE_S, PoolOp, RankCellError, cell_error
 from .supervisor import kill_group
 
 EXIT_GRACE_S = 2.0  # after "exit", how long before SIGKILL
-_HOST = "127.0.0.1"
 _POOLS: set[RankPool] = set()  # open pools (held: their workers live until close())
 _active: weakref.ref | None = None  # the pool %%ranks uses: the last one started
 
@@ -113,18 +111,9 @@ class RankPool:
             threads = threads_per_worker(self.world_size)
             if launcher.name == "fork":
                 threads = fork_threads(threads)
-            for rank, index in enumerate(self.plan.indices):
-                spec = WorkerSpec(
-                    rank=rank, local_rank=rank, world_size=self.world_size,
-                    accelerator=self.plan.accelerator,
-                    device_index=index if self.plan.accelerator == "cuda" else None,
-                    backend=self.plan.backend, store_host=_HOST, store_port=None,
-                    telemetry_address=None, telemetry_token="", num_threads=threads,
-                    pg_timeout_s=self._pg_timeout, parent_pid=os.getpid(),
-                    die_with_parent=threading.current_thread() is threading.main_thread(),
-                    pool=True)
-                with interrupts_deferred():  # a started worker always has a handle
-                    handles.append(launcher.start(spec, None))
+            specs = start.rank_specs(self.plan, threads=threads, pg_timeout=self._pg_timeout,
+                                     pool=True)
+            handles = start.start_ranks(launcher, specs, None)
             self._handles, self._launcher = handles, launcher
             # Rank 0 hosts the store (see rank/worker.py); the op passes its port on, and
             # waits for every rank's READY.
@@ -428,23 +417,23 @@ class RankPool:
 
     def _launch(self, fn, args, kwargs, strategy, background, timeout, telemetry, sinks,
                 dashboard, resume, seed):
-        from ..run import Run
         from ..telemetry.channel import TelemetryServer
-        from . import _check_run_args, _wait_in_cell
         from .spawn import serialize
 
         self._check_open()
-        fn, kwargs, resume, base_seed, options, chosen = _check_run_args(
-            "pool.launch()", fn, args, kwargs, timeout, dashboard, resume, seed, telemetry,
-            strategy)
+        request = start.check("pool.launch()", fn, args, kwargs, strategy=strategy,
+                              timeout=timeout, telemetry=telemetry, sinks=sinks,
+                              dashboard=dashboard, resume=resume, seed=seed,
+                              background=background)
+        chosen = request.strategy
         chosen.check(self.plan)
         if chosen.start_method and chosen.start_method != self.start_method:
             raise ValueError(f"strategy {chosen.name!r} means start_method="
                              f"{chosen.start_method!r}, but this pool's workers were started "
                              f"by {self.start_method}. Use strategy='ddp' (the same DDP), or "
                              f"a pool with start_method={chosen.start_method!r}.")
-        payload = serialize(fn, args, kwargs, chosen, "the pool's workers",
-                            "or pass it as an argument")
+        payload = serialize(request.fn, request.args, request.kwargs, chosen,
+                            "the pool's workers", "or pass it as an argument")
         self._settle()
         with self._lock:
             if self._busy is not None:
@@ -454,16 +443,13 @@ class RankPool:
         server = None
         try:
             self._ensure_started()
-            run = Run(getattr(fn, "__name__", "fn"), chosen, self.plan,
-                      f"{self.start_method} pool", timeout, sinks, seed=base_seed)
-            view = None
-            if dashboard is not False and options.enabled:
-                view = run.attach_view(dashboard)
-            server = TelemetryServer(run._on_event, host=_HOST) if options.enabled else None
+            run, view = start.open_run(request, self.plan, f"{self.start_method} pool")
+            options = request.telemetry
+            server = TelemetryServer(run._on_event, host=start.HOST) if options.enabled else None
             overrides = {"telemetry_address": server.address if server else None,
                          "telemetry_token": server.token if server else "",
-                         "telemetry": options, "resume_from": resume, "seed": base_seed,
-                         "data_seed": seed if seed is not None else 0}
+                         "telemetry": options, "resume_from": request.resume,
+                         "seed": request.base_seed, "data_seed": request.data_seed}
             deadline = time.monotonic() + timeout if timeout else None
             op = self._begin(list(range(self.world_size)),
                              {"op": "launch", "payload": payload, "run": overrides},
@@ -489,9 +475,7 @@ class RankPool:
                 self._busy = None
 
         run._attach(op, [after])
-        if view is not None:
-            view.start()  # the figure is built while the ranks work, never before
-        return run if background else _wait_in_cell(run, INTERRUPT_GRACE_S + 10)
+        return start.finish(run, view, background, stop_timeout=INTERRUPT_GRACE_S + 10)
 
     def __repr__(self) -> str:
         state = ("closed" if self.closed else f"ended ({self._ended})" if self._ended

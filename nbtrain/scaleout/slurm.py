@@ -20,6 +20,7 @@ the job's log files are named in ``run.remote["logs"]``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -29,10 +30,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from .. import strategies
-from ..launch import calls
+from ..launch import start
 from ..launch.spawn import serialize
-from ..run import DASHBOARDS, Run
+from ..run import Run
 from ..telemetry.options import Telemetry
 from ..wire import encode_result
 from .listen import Watch, _cell_parent, _in_cell, _Job, _RemoteFailure
@@ -71,10 +71,9 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r}: give a positive number of "
                              f"{'nodes' if name == 'nodes' else 'ranks per node'}.")
-    if dashboard not in DASHBOARDS:
-        raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, False, or "
-                         "force one view: 'widget', 'static' or 'text'.")
-    options = Telemetry.from_arg(telemetry)
+    request = start.check("submit()", fn, args, kwargs, strategy=strategy,
+                          telemetry=telemetry, dashboard=dashboard, seed=seed)
+    options = request.telemetry
     params = _sbatch_params(dict(slurm or {}))
     if accelerator == "auto":
         accelerator = "cuda" if params.get("gpus_per_node") else "cpu"
@@ -82,19 +81,14 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
         raise ValueError(f"accelerator={accelerator!r}: use 'auto', 'cuda' or 'cpu'.")
     if accelerator == "cuda":
         params.setdefault("gpus_per_node", devices)
-    call, own, chosen = calls.plan("submit()", fn, args, kwargs, strategies.get(strategy))
-    payload = serialize(call, args, own, chosen, "a SLURM job",
-                        "or define what it needs inside the function")
+    payload = serialize(request.fn, request.args, request.kwargs, request.strategy,
+                        "a SLURM job", "or define what it needs inside the function")
     world = nodes * devices
     run_id = uuid.uuid4().hex[:12]
-    plan = _Plan(accelerator, world)
-    name = getattr(fn, "__name__", "fn")
-    run = Run(name, chosen, plan, "slurm", None, seed=seed)
-    cell = _cell_parent()
-    view = None
-    if dashboard is not False and options.enabled:
-        with _in_cell(cell):
-            view = run.attach_view(dashboard)
+    name = request.name
+    with _in_cell(_cell_parent()):
+        run, view = start.open_run(dataclasses.replace(request, base_seed=seed),
+                                   _Plan(accelerator, world), "slurm")
     watch = Watch(listen_host, 0, dashboard=False) if options.enabled else None
     executor = submitit.SlurmExecutor(folder=os.fspath(folder))
     srun_args = ["--kill-on-bad-exit=1", *params.pop("srun_args", [])]

@@ -29,12 +29,12 @@ from typing import Any
 
 from ..errors import WorkerError
 from ..launch.devices import DevicePlan, resolve_accelerator
+from ..launch.start import Request, open_run
 from ..rank.worker import execute
 from ..run import Run
 from ..spec import WorkerSpec
 from ..telemetry.channel import TelemetryClient, parse_address
 from ..telemetry.events import Event, decode, encode
-from ..telemetry.options import Telemetry
 from ..wire import FAILURE, decode_failure, label
 
 ATTACH_ENV = "NBTRAIN_ATTACH"
@@ -94,28 +94,24 @@ class _Tee:
             self.remote.close()
 
 
-def run_in_process(fn, args, kwargs, strategy, accelerator: str, options: Telemetry,
-                   sinks, dashboard, resume: str | None, seed: int | None,
+def run_in_process(request: Request, accelerator: str,
                    started_by: str = "torchrun") -> Run | None:
     """``fn(ctx, *args, **kwargs)`` as this process's rank; see the module docstring."""
     import torch.distributed as dist
-
-    from .. import seeding
 
     env = os.environ
     rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
     local_rank = int(env["LOCAL_RANK"])
     acc = resolve_accelerator(accelerator)
     plan = DevicePlan(acc, tuple(range(world_size)))
+    strategy = request.strategy
     strategy.check(plan)
-    if seed is not None:
-        seeding.base_seed(seed)  # checked on every rank alike
     pg_timeout = 1800.0
     _join(plan, local_rank, pg_timeout)  # kept for a later launch(); torchrun ends it
     # One base seed and run id for the whole job, drawn on rank 0.
     # (nbtrain.submit names the run, so the notebook's listener knows it as its own.)
     run_id = env.get(RUN_ID_ENV) or uuid.uuid4().hex[:12]
-    shared = [seeding.base_seed(seed), run_id] if rank == 0 else [None, None]
+    shared = [request.base_seed, run_id] if rank == 0 else [None, None]
     dist.broadcast_object_list(shared, src=0)
     base_seed, run_id = shared
     spec = WorkerSpec(
@@ -124,22 +120,21 @@ def run_in_process(fn, args, kwargs, strategy, accelerator: str, options: Teleme
         store_host=env["MASTER_ADDR"], store_port=int(env["MASTER_PORT"]),
         telemetry_address=None, telemetry_token="", num_threads=None,
         pg_timeout_s=pg_timeout, parent_pid=os.getppid(), die_with_parent=False,
-        telemetry=options, resume_from=resume, seed=base_seed,
-        data_seed=seed if seed is not None else 0)
-    name = getattr(fn, "__name__", "fn")
+        telemetry=request.telemetry, resume_from=request.resume, seed=base_seed,
+        data_seed=request.data_seed)
     run = None
     kept: list[Event] = []
     if rank == 0:
-        run = Run(name, strategy, plan, started_by, None, sinks, seed=base_seed)
-        if dashboard is not False and options.enabled:
-            view = run.attach_view(dashboard)
-            if view is not None:
-                view.start()
+        run, view = open_run(dataclasses.replace(request, base_seed=base_seed), plan,
+                             started_by)
+        if view is not None:
+            view.start()
     tee = None
-    if options.enabled:  # the same on every rank: _attach's collective matches
-        remote = _attach(spec, run_id, name, strategy.name)
+    if request.telemetry.enabled:  # the same on every rank: _attach's collective matches
+        remote = _attach(spec, run_id, request.name, strategy.name)
         tee = _Tee(rank, run._on_event if run is not None else kept.append, remote)
-    message = execute(spec, (fn, args, kwargs, strategy), telemetry=tee)
+    message = execute(spec, (request.fn, request.args, request.kwargs, strategy),
+                      telemetry=tee)
     if tee is not None and tee.remote is not None and tee.remote.lost:
         print(f"nbtrain: rank {rank} lost the listener at {_shown(os.environ[ATTACH_ENV])} "
               f"mid-run ({tee.remote.lost}); training went on without it.",

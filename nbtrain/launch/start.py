@@ -1,0 +1,161 @@
+"""The one start path: what ``launch()``, ``RankPool`` (its start and ``pool.launch``), the
+picker (through ``launch()``), torchrun's ranks and a SLURM submission share.
+
+    request = check("launch()", fn, args, kwargs, strategy=..., ...)   # before anything
+    run, view = open_run(request, plan, "fork")      # the Run, its header in the cell
+    specs = rank_specs(plan, ...)                    # one WorkerSpec per rank
+    handles = start_ranks(launcher, specs, payload)  # all started, or none left
+    ... a Supervisor (or a PoolOp) takes the handles; run._attach(it, cleanup)
+    return finish(run, view, request.background)     # the figure, then wait in the cell
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .. import seeding, strategies
+from ..run import DASHBOARDS, Run
+from ..spec import WorkerSpec
+from ..strategies import Strategy
+from ..telemetry.options import Telemetry
+from . import calls
+from .launcher import Launcher, WorkerHandle, interrupts_deferred
+from .supervisor import kill_group
+
+HOST = "127.0.0.1"  # where the ranks of this machine meet: their store, the listener
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A run as asked for, checked: what ``launch()`` and ``pool.launch()`` take alike."""
+
+    fn: Callable[..., Any]  # what the ranks call with ctx first (calls.py)
+    args: tuple
+    kwargs: dict  # fn's own keywords; the strategy's options are in ``strategy``
+    strategy: Strategy
+    base_seed: int  # rank r starts from base_seed + r
+    seed: int | None = None  # as given: None shuffles with 0 (see seeding.py)
+    timeout: float | None = None
+    telemetry: Telemetry = Telemetry()
+    sinks: tuple = ()
+    dashboard: bool | str = "auto"
+    resume: str | None = None
+    background: bool = False
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__name__", "fn")
+
+    @property
+    def data_seed(self) -> int:
+        """``ctx.dataloader``'s shuffle seed, the same on every rank."""
+        return self.seed if self.seed is not None else 0
+
+
+def check(who: str, fn, args: tuple, kwargs: dict, *, strategy: str | Strategy = "ddp",
+          timeout: float | None = None, telemetry: bool | Telemetry = True, sinks=(),
+          dashboard: bool | str = "auto", resume=None, seed: int | None = None,
+          background: bool = False) -> Request:
+    """Everything about a run that can be wrong, checked before anything starts: how
+    ``fn`` is called (with ``ctx`` or without, which keywords are the strategy's), the
+    timeout, the view, the resume path, the seed, the telemetry options."""
+    if not callable(fn):
+        raise TypeError(f"{who} takes the function to run first; got {type(fn).__name__}.")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+    if dashboard not in DASHBOARDS:
+        raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, False, or "
+                         "force one view: 'widget', 'static' or 'text'.")
+    call, own, chosen = calls.plan(who, fn, args, kwargs, strategies.get(strategy))
+    return Request(call, tuple(args), own, chosen, seeding.base_seed(seed), seed, timeout,
+                   Telemetry.from_arg(telemetry), tuple(sinks), dashboard,
+                   _resume_path(resume), background)
+
+
+def _resume_path(resume) -> str | None:
+    if resume is None:
+        return None
+    from ..checkpoint import exists
+
+    if not isinstance(resume, (str, os.PathLike)):
+        raise TypeError(f"resume={resume!r}: give the path of a checkpoint written by ctx.save.")
+    path = os.path.abspath(os.fspath(resume))
+    if not exists(path):
+        raise ValueError(f"resume={os.fspath(resume)!r}: no checkpoint there (ctx.save writes "
+                         "a directory with a .metadata file, or one file with full=True). "
+                         "Start without resume=, or check nbtrain.checkpoint.exists(path).")
+    return path
+
+
+def open_run(request: Request, plan, started_by: str):
+    """The run's ``Run`` and, unless turned off, its view (the header shows now; nothing
+    heavy is built before the ranks start)."""
+    run = Run(request.name, request.strategy, plan, started_by, request.timeout,
+              request.sinks, seed=request.base_seed)
+    view = None
+    if request.dashboard is not False and request.telemetry.enabled:
+        view = run.attach_view(request.dashboard)
+    return run, view
+
+
+def rank_specs(plan, *, threads: int | None, pg_timeout: float,
+               telemetry_address: tuple[str, int] | None = None, token: str = "",
+               telemetry: Telemetry | None = None, resume: str | None = None,
+               seed: int = 0, data_seed: int = 0, pool: bool = False) -> list[WorkerSpec]:
+    """One ``WorkerSpec`` per rank of ``plan`` on this machine (rank 0 hosts the store)."""
+    return [WorkerSpec(
+        rank=rank, local_rank=rank, world_size=plan.world_size,
+        accelerator=plan.accelerator,
+        device_index=index if plan.accelerator == "cuda" else None,
+        backend=plan.backend, store_host=HOST, store_port=None,
+        telemetry_address=telemetry_address, telemetry_token=token, num_threads=threads,
+        pg_timeout_s=pg_timeout, parent_pid=os.getpid(),
+        die_with_parent=threading.current_thread() is threading.main_thread(),
+        telemetry=telemetry or Telemetry(), resume_from=resume, seed=seed,
+        data_seed=data_seed, pool=pool)
+        for rank, index in enumerate(plan.indices)]
+
+
+def start_ranks(launcher: Launcher, specs: list[WorkerSpec], payload: Any
+                ) -> list[WorkerHandle]:
+    """Start every rank; if one cannot start (or an interrupt comes), end those started."""
+    handles: list[WorkerHandle] = []
+    try:
+        for spec in specs:
+            with interrupts_deferred():  # a started rank always has a handle
+                handles.append(launcher.start(spec, payload))
+    except BaseException:
+        for h in handles:
+            kill_group(h.pid, signal.SIGKILL)
+            h.process.join(5)
+            h.commands.close()
+        raise
+    return handles
+
+
+def finish(run: Run, view, background: bool, stop_timeout: float = 10.0) -> Run:
+    """Build the view's figure (the ranks are starting), then return the run at once
+    (background) or wait for it in the cell."""
+    if view is not None:
+        view.start()
+    return run if background else wait_in_cell(run, stop_timeout)
+
+
+def wait_in_cell(run: Run, stop_timeout: float = 10.0) -> Run:
+    """Block until ``run`` ends; an interrupt stops it and says how to get it back."""
+    try:
+        run.wait()
+    except KeyboardInterrupt:
+        run.stop(reason="interrupted", timeout=stop_timeout)
+        step = run.last_step
+        at = f" at step {step}" if step is not None else ""
+        # A new exception, raised here: the traceback is the cell and this line, not
+        # the threading frames the wait was in.
+        raise KeyboardInterrupt(f"the run was stopped{at}; nbtrain.last_run() returns it, "
+                                "with its history.") from None
+    return run
