@@ -37,7 +37,7 @@ from ._live import LiveView
 from .fallback import figure_bundle
 from .figures import build_figure, figure_height, figure_json
 from .frontend import INSTALL, missing_widget_packages
-from .header import error_html, header_html, header_text
+from .header import error_html, header_html, header_text, twin_style
 from .keeper import KeptDisplay
 from .keeper import update as kept_update
 
@@ -61,15 +61,7 @@ CLOSE_AFTER_S = 2.0  # after the static forms replaced the widget
 # died: out of memory) shows the charts as of the last snapshot before the save, where
 # the live view can only say "model not found" (its model lived in that kernel).
 SNAPSHOT_S = 30.0
-# JupyterLab and Notebook 7: the snapshot's outputs stay hidden while the live view
-# renders; where it cannot render, the widget's error is hidden instead.
-SNAPSHOT_STYLE = """<style>
-.jp-OutputArea:has(.nbtrain-dashboard) > .jp-OutputArea-child:has(.nbtrain-snapshot),
-.jp-OutputArea:has(.nbtrain-dashboard) > .jp-OutputArea-child:has(.nbtrain-snapshot)
-  ~ .jp-OutputArea-child { display: none; }
-.jp-OutputArea:not(:has(.nbtrain-dashboard)):has(.nbtrain-snapshot)
-  > .jp-OutputArea-child:has(> .jupyter-widgets) { display: none; }
-</style>"""
+SNAPSHOT_STYLE = twin_style("nbtrain-dashboard", "nbtrain-snapshot")
 
 
 def require_widgets():

@@ -93,3 +93,17 @@ def header_text(state: LiveState) -> str:
         last = detail.strip().splitlines()[-1] if detail.strip() else ""
         lines.append(f"  rank {rank} failed: {last}")
     return "\n".join(lines)
+
+
+def twin_style(live: str, twin: str) -> str:
+    """A style for a widget (CSS class ``live``) followed by static outputs that stand in
+    for it once its kernel is gone (the first one marked with class ``twin``): in
+    JupyterLab and Notebook 7 the twins stay hidden while the widget renders, and where
+    it cannot ("model not found" after a restart) the widget's error is hidden instead."""
+    return f"""<style>
+.jp-OutputArea:has(.{live}) > .jp-OutputArea-child:has(.{twin}),
+.jp-OutputArea:has(.{live}) > .jp-OutputArea-child:has(.{twin})
+  ~ .jp-OutputArea-child {{ display: none; }}
+.jp-OutputArea:not(:has(.{live})):has(.{twin})
+  > .jp-OutputArea-child:has(> .jupyter-widgets) {{ display: none; }}
+</style>"""

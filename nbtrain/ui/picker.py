@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .. import strategies
 from ..cells import mark_shown, shown_here
 from .compare import Comparison
+from .header import twin_style
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -31,13 +32,7 @@ PRECISIONS = [("fp32", "fp32"), ("bf16 mixed", "bf16"), ("fp16 mixed", "fp16")]
 # last run's charts and the comparison, updated after each run); while the picker
 # renders, this style hides the twin, and where the widget cannot render, it hides the
 # widget's error instead.
-TWIN_STYLE = """<style>
-.jp-OutputArea:has(.nbtrain-picker) > .jp-OutputArea-child:has(.nbtrain-twin),
-.jp-OutputArea:has(.nbtrain-picker) > .jp-OutputArea-child:has(.nbtrain-twin)
-  ~ .jp-OutputArea-child { display: none; }
-.jp-OutputArea:not(:has(.nbtrain-picker)):has(.nbtrain-twin)
-  > .jp-OutputArea-child:has(> .jupyter-widgets) { display: none; }
-</style>"""
+TWIN_STYLE = twin_style("nbtrain-picker", "nbtrain-twin")
 
 
 class StrategyPicker:
