@@ -88,9 +88,10 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
 
     Under torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``
     set), in a SLURM step of several tasks (``srun -n 4 python train.py``), under LSF's
-    ``jsrun`` or in a Kubeflow PyTorchJob (``clusters.py``), nothing is started: ``fn`` runs in this process as torchrun's rank, on its
-    ``LOCAL_RANK``'s GPU (or CPU); ``devices``, ``start_method``, ``background`` and
-    ``timeout`` are torchrun's business and ignored. Rank 0 gets the finished ``Run``
+    ``jsrun`` or in a Kubeflow PyTorchJob (``scaleout/clusters.py``), nothing is started:
+    ``fn`` runs in this process as that rank, on its ``LOCAL_RANK``'s GPU (or CPU);
+    ``devices``, ``start_method``, ``background`` and ``timeout`` are the launcher's
+    business and ignored. Rank 0 gets the finished ``Run``
     (every rank's results and history, gathered), the other ranks ``None``; a failing
     rank raises ``WorkerError`` in its process. ``NBTRAIN_ATTACH=HOST:PORT:TOKEN`` (from
     ``nbtrain.listen()``) streams every rank's events to that notebook.
