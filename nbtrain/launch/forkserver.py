@@ -94,6 +94,7 @@ class ForkServerLauncher(SpawnLauncher):
         import multiprocess
 
         self._context = multiprocess.get_context("forkserver")
+        self._warm: tuple[str, ...] = ()  # the strategy's own imports, preloaded too
 
     def prepare(self, fn, args: tuple, kwargs: dict, strategy) -> bytes:
         self._warm = strategy.warm_imports_for("cpu")
@@ -101,7 +102,7 @@ class ForkServerLauncher(SpawnLauncher):
 
     def start(self, spec: WorkerSpec, payload: Any) -> WorkerHandle:
         self._count()
-        pid = ensure_running(getattr(self, "_warm", ()))
+        pid = ensure_running(self._warm)
         # The server's environment is the kernel's at the server's start; a worker takes
         # the kernel's of now, as a spawned one would. Its parent is the server.
         spec = dataclasses.replace(spec, parent_pid=pid, environ_of_kernel=dict(os.environ))
