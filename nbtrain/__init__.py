@@ -14,7 +14,7 @@ from .launch.pool import RankPool
 from .run import Run, last_run
 from .scaleout.listen import listen
 from .scaleout.slurm import submit
-from .telemetry.options import Telemetry
+from .telemetry.settings import Telemetry
 from .ui import StrategyPicker, compare, progress
 
 __all__ = ["Context", "RankPool", "Run", "RunStoppedError", "RunTimeoutError",

@@ -34,6 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .strategies import owner_of
+from .strategies.meta_init import copy_into
+from .strategies.norms import sync_statistics
+
 __all__ = ["exists", "load", "save"]
 
 _META = ".metadata"
@@ -52,13 +56,9 @@ def save(path: str | os.PathLike, state: Mapping[str, Any], *, full: bool = Fals
     ``models`` maps ``id(optimizer)`` to the model it trains (``ctx.save`` passes what
     ``ctx.setup`` saw); without it, the one model in ``state`` is used.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     path = _check_path(path)
     entries = _entries(state, models)
     rank = dist.get_rank() if _distributed() else 0
-    from .strategies.norms import sync_statistics
-
     for _, kind, obj, _ in entries:  # one copy of the running statistics: rank 0's
         if kind == "module":
             sync_statistics(obj)
@@ -72,17 +72,8 @@ def save(path: str | os.PathLike, state: Mapping[str, Any], *, full: bool = Fals
 
         dcp.save(data, checkpoint_id=tmp, no_dist=not _distributed())
     else:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        data = {}
-        for key, kind, obj, model in entries:
-            if _engine(obj, model) is not None:  # DeepSpeed: whole on every rank already
-                data[key] = _state_dict(kind, obj, model)
-            elif kind == "module":
-                data[key] = get_model_state_dict(obj, options=options)
-            elif kind == "optimizer":
-                data[key] = _full_optimizer_state(obj, model)
-            else:
-                data[key] = obj
+        data = {key: _state_dict(kind, obj, model, full=True)
+                for key, kind, obj, model in entries}
         if rank == 0:
             torch.save(data, tmp)
     if rank == 0:
@@ -98,12 +89,6 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
     Works in a distributed run (every rank calls it; shards are re-cut for this run's
     strategy and world size) and in a plain process such as the notebook kernel.
     """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
     path = os.fspath(path)
     if not exists(path):
         raise FileNotFoundError(f"no checkpoint at {path!r} (a directory written by "
@@ -127,20 +112,11 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
             raise KeyError(f"the checkpoint {path!r} has no {missing}; it holds "
                            f"{sorted(saved)}.")
         data = {key: _from_full(kind, obj, model, saved[key]) for key, kind, obj, model in entries}
-    flat = StateDictOptions(strict=strict, flatten_optimizer_state_dict=True)
     for key, kind, obj, model in entries:
-        engine = _engine(obj, model)
-        if engine is not None:
-            from .strategies import deepspeed
-
-            if kind == "module":
-                deepspeed.load_model_state_dict(engine, data[key], strict=strict)
-            else:
-                deepspeed.load_optimizer_state_dict(engine, data[key])
-        elif kind == "module":
-            set_model_state_dict(obj, data[key], options=flat)
+        if kind == "module":
+            owner_of(obj).load_model_state_dict(obj, data[key], strict=strict)
         elif kind == "optimizer":
-            set_optimizer_state_dict(model, _local(obj), data[key], options=flat)
+            owner_of(obj).load_optimizer_state_dict(model, obj, data[key], strict=strict)
         else:
             state[key] = data[key]
     return state
@@ -179,16 +155,11 @@ def _move_into_place(tmp: str, path: str) -> None:
 
 
 def _is_optimizer(obj: Any) -> bool:
-    from .strategies.deepspeed import EngineOptimizer
-
-    return isinstance(obj, (torch.optim.Optimizer, EngineOptimizer)) or isinstance(
-        getattr(obj, "optimizer", None), torch.optim.Optimizer)
-
-
-def _local(optimizer):
-    from .strategies.zero import local_optimizer
-
-    return local_optimizer(optimizer)
+    """A torch optimizer, or what stands for one (fp16's scaling wrapper, DeepSpeed's)."""
+    return isinstance(obj, torch.optim.Optimizer) or (
+        not isinstance(obj, nn.Module)
+        and all(callable(getattr(obj, m, None)) for m in ("step", "zero_grad", "state_dict"))
+        and hasattr(obj, "param_groups"))
 
 
 def _entries(state: Mapping[str, Any], models: Mapping[int, nn.Module] | None):
@@ -216,35 +187,12 @@ def _entries(state: Mapping[str, Any], models: Mapping[int, nn.Module] | None):
     return entries
 
 
-def _engine(obj: Any, model: nn.Module | None):
-    """The DeepSpeed engine behind a state entry (the engine, or the optimizer
-    ``ctx.setup`` returned with it), else None."""
-    from .strategies.deepspeed import EngineOptimizer, is_engine
-
-    if isinstance(obj, EngineOptimizer):
-        return obj.engine
-    return obj if isinstance(obj, nn.Module) and is_engine(obj) else None
-
-
-def _state_dict(kind: str, obj: Any, model: nn.Module | None) -> Any:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    engine = _engine(obj, model) if kind != "value" else None
-    if engine is not None:  # torch's keys, from DeepSpeed's partitions
-        from .strategies import deepspeed
-
-        if kind == "module":
-            return deepspeed.model_state_dict(engine)
-        return deepspeed.optimizer_state_dict(engine)
+def _state_dict(kind: str, obj: Any, model: nn.Module | None, full: bool = False) -> Any:
+    """An entry's state under torch's keys, from the strategy that made it."""
     if kind == "module":
-        return get_model_state_dict(obj)
+        return owner_of(obj).model_state_dict(obj, full)
     if kind == "optimizer":
-        return get_optimizer_state_dict(model, _local(obj),
-                                        options=StateDictOptions(flatten_optimizer_state_dict=True))
+        return owner_of(obj).optimizer_state_dict(model, obj, full)
     return obj
 
 
@@ -253,8 +201,6 @@ def _from_full(kind: str, obj: Any, model: nn.Module | None, saved: Any) -> Any:
     shard, cut by torch's ``distribute_tensor``)."""
     if kind == "value":
         return saved
-    from .strategies.meta_init import copy_into
-
     local = _state_dict(kind, obj, model)
     for k, v in local.items():
         if k not in saved:
@@ -265,27 +211,3 @@ def _from_full(kind: str, obj: Any, model: nn.Module | None, saved: Any) -> Any:
         else:
             local[k] = saved[k]
     return local
-
-
-def _full_optimizer_state(optimizer, model: nn.Module) -> dict[str, Any]:
-    """The whole optimizer state on rank 0 (``{}`` elsewhere); ZeRO's partitions joined."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-    )
-
-    local = _local(optimizer)
-    if local is getattr(optimizer, "optimizer", optimizer) or not _distributed():
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                   flatten_optimizer_state_dict=True)
-        return get_optimizer_state_dict(model, local, options=options)
-    # ZeRO-1: each rank holds whole tensors for its own parameters; gather the pieces.
-    part = get_optimizer_state_dict(model, local,
-                                    options=StateDictOptions(flatten_optimizer_state_dict=True))
-    part = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in part.items()}
-    pieces = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(part, pieces, dst=0)
-    merged: dict[str, Any] = {}
-    for piece in pieces or []:
-        merged.update(piece)
-    return merged

@@ -13,8 +13,8 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dataclasses
+import functools
 import os
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -23,16 +23,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from .telemetry.events import Metric
 from .telemetry.recorder import Recorder
 
 if TYPE_CHECKING:
     from .spec import WorkerSpec
     from .strategies import Strategy
     from .telemetry.channel import TelemetryClient
-
-_LOG_BATCH = 16  # accelerator-resident metric tensors are read back this many calls at a time
-
 
 class Context:
     def __init__(self, spec: WorkerSpec, strategy: Strategy,
@@ -43,15 +39,13 @@ class Context:
         self.strategy = strategy
         self.device = (torch.device("cuda", spec.device_index) if spec.accelerator == "cuda"
                        else torch.device("cpu"))
-        self._telemetry = telemetry
         self._recorder = (Recorder(self.rank, self.device, telemetry, spec.telemetry)
                           if telemetry is not None else None)
         self._scaler = None
         self._skipped = 0  # fp16 steps the loss scaler skipped
-        self._engine = None  # DeepSpeed's engine, once ctx.setup made it
+        self._model: nn.Module | None = None  # the model ctx.setup returned last
         self._batches = 0
         self._logs = 0
-        self._pending: list[tuple[int, float, dict[str, Any]]] = []
         self._init_recording = None  # from ctx.init_module()
         self._model_of: dict[int, nn.Module] = {}  # id(optimizer) -> the model it trains
         # The checkpoint given to launch(resume=...), or None: load it to go on from there.
@@ -114,35 +108,16 @@ class Context:
             strategy = dataclasses.replace(strategy,
                                            activation_checkpointing=activation_checkpointing)
         from .strategies import meta_init
-        from .strategies.activation import clean_name
 
         model = strategy.prepare_module(model)
-        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        on_meta = meta_init.on_meta(model)
-        if on_meta:  # where each tensor's values come from, before sharding replaces it
-            refs = meta_init.plan(model, self._init_recording)
-        if hasattr(strategy, "setup_engine"):  # DeepSpeed: model and optimizer together
-            if on_meta:  # whole, then DeepSpeed partitions it
-                meta_init.materialize(model, self.device, refs)
-                current = dict(model.named_parameters(remove_duplicate=False))
-                for opt in optimizers:
-                    _repoint(opt, names, current)
-            return self._setup_engine(strategy, model, optimizers)
-        sharded = on_meta and _shards(strategy)
-        if on_meta and not sharded:  # whole parameters: materialise before wrapping
-            meta_init.materialize(model, self.device, refs)
-        wrapped = strategy.setup_module(model, self)
-        if sharded:  # only this rank's shards are allocated
-            device = torch.device("cpu") if getattr(strategy, "offload", False) else self.device
-            meta_init.materialize(wrapped, device, refs)
-        inner = wrapped.module if isinstance(wrapped, nn.parallel.DistributedDataParallel) else wrapped
-        current = {clean_name(n): p for n, p in inner.named_parameters(remove_duplicate=False)}
-        for opt in optimizers:
-            _repoint(opt, names, current)
-        optimizers = tuple(strategy.setup_optimizer(opt, wrapped, self) for opt in optimizers)
+        materialize = None
+        if meta_init.on_meta(model):  # where each tensor's values come from, before sharding
+            materialize = functools.partial(meta_init.materialize,
+                                            sources=meta_init.sources(model, self._init_recording))
+        wrapped, optimizers = strategy.setup(model, optimizers, self, materialize)
+        self._model = wrapped
         if self._recorder is not None:
-            self._recorder.watch(wrapped, optimizers,
-                                 ddp=isinstance(wrapped, nn.parallel.DistributedDataParallel))
+            self._recorder.watch(wrapped, optimizers)
         self._scaler = strategy.grad_scaler(self)
         if self._scaler is not None:
             optimizers = tuple(_ScaledOptimizer(opt, self._scaler, self._step_skipped)
@@ -150,15 +125,6 @@ class Context:
         for opt in optimizers:
             self._model_of[id(opt)] = wrapped
         return (wrapped, *optimizers) if optimizers else wrapped
-
-    def _setup_engine(self, strategy, model, optimizers):
-        engine, optimizers = strategy.setup_engine(model, optimizers, self)
-        self._engine = engine
-        if self._recorder is not None:
-            self._recorder.watch(engine, optimizers, ddp=False)
-        for opt in optimizers:
-            self._model_of[id(opt)] = engine
-        return (engine, *optimizers) if optimizers else engine
 
     @contextlib.contextmanager
     def init_module(self):
@@ -184,13 +150,9 @@ class Context:
             yield
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, scaled when the strategy trains in fp16."""
-        if self._engine is not None:  # DeepSpeed scales and reduces in its backward
-            self._engine.backward(loss)
-        elif self._scaler is not None:
-            self._scaler.scale(loss).backward()
-        else:
-            loss.backward()
+        """``loss.backward()`` as the strategy does it: scaled in fp16; DeepSpeed's
+        engine's own backward."""
+        self.strategy.backward(self._model, loss, self._scaler)
 
     @property
     def skipped_steps(self) -> int:
@@ -202,8 +164,7 @@ class Context:
         self._skipped += 1
         if self._recorder is not None:
             self._recorder.step_skipped(optimizer)
-        if self._telemetry is not None:
-            self._log_at(self.step, {"skipped_steps": self._skipped})
+            self._recorder.log(self.step, {"skipped_steps": self._skipped})
 
     # -- gradient accumulation and clipping ---------------------------------------------
     @contextlib.contextmanager
@@ -214,21 +175,8 @@ class Context:
         if not enabled:
             yield
             return
-        if self._engine is not None and model is self._engine:
-            with self.strategy.no_backward_sync(model):
-                yield
-        elif isinstance(model, nn.parallel.DistributedDataParallel):
-            with model.no_sync():
-                yield
-        elif hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                model.set_requires_gradient_sync(True)
-        else:
-            raise TypeError(f"ctx.no_backward_sync() takes the model ctx.setup() returned; "
-                            f"got {type(model).__name__}, which is not wrapped by a strategy.")
+        with self.strategy.no_backward_sync(model):
+            yield
 
     def accumulate(self, model: nn.Module, steps: int) -> Accumulator:
         """Gradient accumulation over ``steps`` micro-batches; every micro-step but the
@@ -256,21 +204,13 @@ class Context:
         """
         if not isinstance(max_norm, (int, float)) or max_norm <= 0:
             raise ValueError(f"max_norm={max_norm!r} must be a positive number.")
-        if self._engine is not None:  # DeepSpeed scales, reduces and clips in its step
-            return self.strategy.clip_grad_norm_(self._engine, max_norm, norm_type)
         if self._scaler is not None:
             if optimizer is None:
                 raise ValueError("fp16 gradients are scaled: call "
                                  "ctx.clip_grad_norm_(model, max_norm, optimizer=opt) so "
                                  "they are unscaled before clipping.")
             self._scaler.unscale_(getattr(optimizer, "optimizer", optimizer))
-        params = [p for p in model.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        total = torch.nn.utils.get_total_norm(grads, norm_type)
-        if hasattr(total, "full_tensor"):  # a DTensor: partial norms of the shards
-            total = total.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total
+        return self.strategy.clip_grad_norm_(model, max_norm, norm_type)
 
     # -- checkpoints --------------------------------------------------------------------
     def save(self, path: str | os.PathLike, state: dict[str, Any], full: bool = False) -> None:
@@ -363,7 +303,6 @@ class Context:
 
     def _close(self) -> None:
         """End of the user's function: send what is pending."""
-        self._flush_logs()
         if self._recorder is not None:
             self._recorder.close()
 
@@ -373,47 +312,10 @@ class Context:
 
         Tensors may stay on the GPU: they are read back in batches, not one sync per call.
         """
-        if not metrics or self._telemetry is None:
+        if not metrics or self._recorder is None:
             return
-        self._log_at(self.step, metrics)
+        self._recorder.log(self.step, metrics)
         self._logs += 1
-
-    def _log_at(self, step: int, metrics: dict[str, Any]) -> None:
-        values: dict[str, Any] = {}
-        on_accelerator = False
-        for key, value in metrics.items():
-            if isinstance(value, torch.Tensor):
-                if value.numel() != 1:
-                    raise ValueError(f"ctx.log({key}=...) takes a scalar; got a tensor of shape "
-                                     f"{tuple(value.shape)}. Log a reduction such as .mean().")
-                value = value.detach()
-                if value.device.type != "cpu":
-                    on_accelerator = True
-                    value = value.clone()
-                else:
-                    value = value.item()
-            elif isinstance(value, (int, float)) or hasattr(value, "__float__"):
-                value = float(value)
-            else:
-                raise TypeError(f"ctx.log({key}=...) takes numbers or scalar tensors; got "
-                                f"{type(value).__name__}.")
-            values[key] = value
-        self._pending.append((step, time.monotonic(), values))
-        if not on_accelerator or len(self._pending) >= _LOG_BATCH:
-            self._flush_logs()
-
-    def _flush_logs(self) -> None:
-        if not self._pending:
-            return
-        tensors = [v for _, _, vals in self._pending for v in vals.values()
-                   if isinstance(v, torch.Tensor)]
-        numbers = iter(torch.stack([t.float().reshape(()) for t in tensors]).tolist()
-                       if tensors else [])
-        pending, self._pending = self._pending, []
-        for step, t, vals in pending:
-            floats = {k: next(numbers) if isinstance(v, torch.Tensor) else v
-                      for k, v in vals.items()}
-            self._telemetry.send(Metric(rank=self.rank, step=step, t=t, values=floats))
 
     # -- coordination ------------------------------------------------------------------
     def barrier(self) -> None:
@@ -453,12 +355,6 @@ class Accumulator:
         block.__exit__(*exc)
         if exc[0] is None:
             self.micro_steps += 1
-
-
-def _shards(strategy) -> bool:
-    from .strategies.fsdp import FSDP
-
-    return isinstance(strategy, FSDP)
 
 
 class DeviceLoader:
@@ -507,23 +403,6 @@ def _to_device(obj: Any, device: torch.device, non_blocking: bool) -> Any:
         moved = [_to_device(v, device, non_blocking) for v in obj]
         return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
     return obj
-
-
-def _repoint(opt: torch.optim.Optimizer, names: dict[int, str],
-             current: dict[str, nn.Parameter]) -> None:
-    replaced = 0
-    for group in opt.param_groups:
-        params = []
-        for p in group["params"]:
-            new = current.get(names.get(id(p), ""), p)
-            replaced += new is not p
-            params.append(new)
-        group["params"] = params
-    if replaced and opt.state:
-        raise RuntimeError("ctx.setup() got an optimizer that has already stepped, but the "
-                           "strategy replaced the model's parameters (FSDP shards them), so "
-                           "its state no longer matches. Build the optimizer and call "
-                           "ctx.setup(model, opt) before training.")
 
 
 class _ScaledOptimizer(torch.optim.Optimizer):

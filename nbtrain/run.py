@@ -76,7 +76,7 @@ class Run:
         self._status = "starting"
         self._results: list[Any] | None = None
         self._error: BaseException | None = None
-        self._supervisor = None
+        self._outcome = None
         self._cleanup: list = []  # callables run once the workers are gone
         self._done = threading.Event()
         self._lock = threading.Lock()
@@ -163,9 +163,9 @@ class Run:
 
     def stop(self, reason: str = "stopped by run.stop()", timeout: float = 10.0) -> None:
         """End every worker now (SIGTERM, then SIGKILL) and wait until they are gone."""
-        if self.done or self._supervisor is None:
+        if self.done or self._outcome is None:
             return
-        self._supervisor.request_stop(reason)
+        self._outcome.request_stop(reason)
         self._done.wait(timeout)
 
     def __repr__(self) -> str:
@@ -174,7 +174,7 @@ class Run:
         return (f"<Run {self.fn_name} strategy={self.strategy.name} {where} "
                 f"start={self.start_method}: {self._status} after {self.elapsed:.1f}s>")
 
-    def attach_view(self, dashboard: bool | str = "auto"):
+    def open_view(self, dashboard: bool | str = "auto"):
         """The live view ``launch(dashboard=...)`` asks for, from whatever UI registered
         itself (``nbtrain.ui`` does); None without one. It is one of the run's sinks."""
         attach = _VIEWS.get("attach")
@@ -216,10 +216,12 @@ class Run:
         except Exception:
             pass
 
-    def _attach(self, supervisor: Outcome, cleanup: list) -> None:
+    def follow(self, outcome: Outcome, cleanup: list) -> None:
+        """Follow the ranks' ``outcome`` (a supervisor, a pool's operation, a job) until
+        it is done, then run ``cleanup`` and end the run."""
         global _LAST
         _LAST = self
-        self._supervisor = supervisor
+        self._outcome = outcome
         self._cleanup = cleanup
         _ACTIVE.add(self)
         # Exit hooks run last-registered first: ours must run before multiprocessing's,
@@ -229,7 +231,7 @@ class Run:
         threading.Thread(target=self._finish, name="nbtrain-run", daemon=True).start()
 
     def _finish(self) -> None:
-        sup = self._supervisor
+        sup = self._outcome
         sup.done.wait()
         for close in self._cleanup:
             try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .telemetry.options import Telemetry
+from .telemetry.settings import Telemetry
 
 
 @dataclass(frozen=True)

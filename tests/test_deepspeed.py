@@ -128,11 +128,11 @@ def test_bad_options_fail_before_a_worker_starts(monkeypatch):
         nbtrain.strategies.get("deepspeed", offload_parameters=True)
     with pytest.raises(ValueError, match="skips every step.*Use 'bf16'"):
         nbtrain.strategies.get("deepspeed", mixed_precision="fp16")
-    monkeypatch.setattr(ds, "installed_version", lambda: (0, 17, 0))
+    monkeypatch.setattr(ds.strategy, "installed_version", lambda: (0, 17, 0))
     with pytest.raises(ValueError, match=r"needs DeepSpeed >= 0\.19\.8 .* has 0\.17\.0"):
         nbtrain.launch(fit, "cnn", devices=2, accelerator="cpu", strategy="deepspeed",
                        dashboard=False)
-    monkeypatch.setattr(ds, "available", lambda: False)
+    monkeypatch.setattr(ds.strategy, "available", lambda: False)
     with pytest.raises(ValueError, match=r'pip install "nbtrain\[deepspeed\]"'):
         nbtrain.launch(fit, "cnn", devices=2, accelerator="cpu", strategy="deepspeed",
                        dashboard=False)

@@ -127,3 +127,48 @@ def test_the_worker_side_loads_no_notebook_machinery():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+TELLTALES = ("is_engine", "EngineOptimizer", "strategies.deepspeed", "setup_engine",
+             "strategies.fsdp", "strategies.zero", "zero_optimization")
+STRATEGY_CLASSES = ("DDP", "FSDP", "Zero1", "DeepSpeed")
+
+
+def strategy_branches(source: str) -> list[str]:
+    """What in ``source`` asks which strategy it has: a telltale name, or an
+    ``isinstance`` against a strategy class."""
+    tree = ast.parse(source)
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names.add(node.module or "")
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    found = sorted(t for t in TELLTALES if any(t in name for name in names))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
+                and len(node.args) == 2
+                and any(getattr(t, "id", None) in STRATEGY_CLASSES
+                        for t in ast.walk(node.args[1]))):
+            found.append("isinstance")
+    return found
+
+
+def test_no_module_outside_strategies_asks_which_strategy_it_has():
+    """Strategies own their differences through the base Strategy's hooks (setup,
+    backward, no-sync, clipping, state dicts, memory, release): code elsewhere names
+    no strategy class to branch on, nor DeepSpeed's engine."""
+    outside = [p for p in PACKAGE.rglob("*.py") if PACKAGE / "strategies" not in p.parents]
+    assert len(outside) > 50
+    found = {str(p.relative_to(PACKAGE)): strategy_branches(p.read_text()) for p in outside}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_a_module_that_branched_on_a_strategy_would_be_caught():
+    assert strategy_branches("from ..strategies.deepspeed import is_engine\n"
+                             "if is_engine(model): pass\n") == [
+        "is_engine", "strategies.deepspeed"]
+    assert strategy_branches("from .strategies.fsdp import FSDP\n"
+                             "sharded = isinstance(strategy, FSDP)\n") == [
+        "strategies.fsdp", "isinstance"]
+    assert strategy_branches("self.strategy.backward(self._model, loss)\n") == []

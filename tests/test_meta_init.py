@@ -1,4 +1,4 @@
-"""Meta-device initialisation in one process: ``record`` / ``plan`` / ``materialize``
+"""Meta-device initialisation in one process: ``record`` / ``sources`` / ``materialize``
 against ordinary construction with the same seed, bit for bit, for torch's own modules
 and the init patterns GPT-style code uses. The 2-rank runs are in test_techniques.py."""
 
@@ -66,7 +66,7 @@ def test_replay_gives_what_ordinary_construction_gives(name, seed_inside):
     got_next = torch.rand(5)
     assert meta_init.on_meta(model)
     before = torch.get_rng_state()
-    meta_init.materialize(model, torch.device("cpu"), meta_init.plan(model, rec))
+    meta_init.materialize(model, torch.device("cpu"), meta_init.sources(model, rec))
     assert torch.equal(torch.get_rng_state(), before)  # materialising draws nothing
     assert not meta_init.on_meta(model)
     want_state, got_state = want.state_dict(), model.state_dict()
@@ -88,13 +88,13 @@ def test_a_reseed_between_two_models_in_one_block_is_honoured():
     with meta_init.record(rec):
         got = make_two()
     for w, g in zip(want, got, strict=True):
-        meta_init.materialize(g, torch.device("cpu"), meta_init.plan(g, rec))
+        meta_init.materialize(g, torch.device("cpu"), meta_init.sources(g, rec))
         assert torch.equal(w.weight, g.weight) and torch.equal(w.bias, g.bias)
 
 
 def test_a_tied_weight_stays_one_parameter():
     model, rec = build_on_meta(TinyGPT, seed_inside=True)
-    meta_init.materialize(model, torch.device("cpu"), meta_init.plan(model, rec))
+    meta_init.materialize(model, torch.device("cpu"), meta_init.sources(model, rec))
     assert model.wte.weight is model.head.weight
 
 
@@ -120,11 +120,11 @@ def test_a_parameter_nothing_initialised_is_named_not_trained_on():
     with meta_init.record() as rec:
         model = Experts(init=False)
     with pytest.raises(RuntimeError, match=r"Experts\.gate_up was created with torch\.empty"):
-        meta_init.plan(model, rec)
+        meta_init.sources(model, rec)
     with meta_init.record() as rec:
         torch.manual_seed(0)
         model = Experts(init=True)
-    refs = meta_init.plan(model, rec)
-    meta_init.materialize(model, torch.device("cpu"), refs)
+    sources = meta_init.sources(model, rec)
+    meta_init.materialize(model, torch.device("cpu"), sources)
     torch.manual_seed(0)
     assert torch.equal(model.gate_up, Experts(init=True).gate_up)

@@ -124,7 +124,7 @@ def test_a_slow_consumer_never_stalls_the_workers():
     assert sink.calls < sink.events and sink.closed == "done"  # batched, and told the end
 
 
-def test_telemetry_options():
+def test_telemetry_settings():
     run = nbtrain.launch(log_many, 20, devices=2, telemetry=False)
     assert len(run.history.events()) == 0 and run.results == [20, 20]
     run = nbtrain.launch(log_many, 20, devices=2,

@@ -14,11 +14,11 @@ from workloads import fail_on, param_count, train
 import nbtrain
 from nbtrain.telemetry.events import Comm, Lifecycle, Memory, Metric, Step
 from nbtrain.ui import compare, frontend
-from nbtrain.ui._throttle import Series, Throttle, downsample
 from nbtrain.ui.dashboard import Dashboard
-from nbtrain.ui.fallback import PLOTLY_MIME, StaticView, TextView, figure_bundle
 from nbtrain.ui.figures import build_figure, trace_specs
+from nbtrain.ui.series import Series, Throttle, downsample
 from nbtrain.ui.state import LiveState
+from nbtrain.ui.static import PLOTLY_MIME, StaticView, TextView, figure_bundle
 from nbtrain.ui.theory import n_params_from_memory, theoretical_bytes
 
 EVERY_STEP = nbtrain.Telemetry(memory_every=1)
@@ -661,16 +661,16 @@ def test_the_html_twin_draws_without_requirejs_and_inlines_plotly_once_under_cla
 
     import plotly.graph_objects as go
 
-    from nbtrain.ui import fallback
+    from nbtrain.ui import static
 
     body = jsonlib.loads(go.Figure(go.Scatter(y=[1, 3, 2], name="</script>")).to_json())
-    monkeypatch.setattr(fallback, "_inlined", False)
+    monkeypatch.setattr(static, "_inlined", False)
     monkeypatch.setattr(frontend, "classic_notebook_server", lambda: False)
-    html = fallback.figure_html(body)
+    html = static.figure_html(body)
     assert "nbtrain-plotlyjs\">" not in html and "require(" not in html
     assert html.count("</script>") == 1  # the figure's own text cannot end the script
     assert "window.Plotly.newPlot" in html and "cdn.plot.ly/plotly-" in html
     monkeypatch.setattr(frontend, "classic_notebook_server", lambda: True)
-    first, second = fallback.figure_html(body), fallback.figure_html(body)
+    first, second = static.figure_html(body), static.figure_html(body)
     assert first.count('id="nbtrain-plotlyjs"') == 1 and len(first) > 1_000_000
     assert "nbtrain-plotlyjs\">" not in second  # once per kernel

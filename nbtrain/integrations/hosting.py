@@ -57,10 +57,10 @@ def hosted(fn, ctx, observe_steps: bool):
 
         handle = register_optimizer_step_post_hook(count)
         undo.append(handle.remove)
-        if ctx._telemetry is not None:  # for nbtrain.integrations' callbacks
+        if ctx._recorder is not None:  # for nbtrain.integrations' callbacks
             from ..telemetry import active
 
-            active.set_logger(lambda step, values: ctx._log_at(
+            active.set_logger(lambda step, values: ctx._recorder.log(
                 ctx.step if step is None else step, values))
             undo.append(lambda: active.set_logger(None))
         if observe_steps and ctx._recorder is not None:
@@ -186,7 +186,7 @@ def observe(ctx, undo: list) -> None:
     def logged_backward(self, *args, **kwargs):
         if self.numel() == 1 and self.requires_grad:
             loss = getattr(self, "_nbtrain_unscaled", self)
-            ctx._log_at(recorder.steps_taken, {"loss": loss})
+            recorder.log(recorder.steps_taken, {"loss": loss})
         return backward(self, *args, **kwargs)
 
     torch.Tensor.backward = logged_backward

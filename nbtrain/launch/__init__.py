@@ -15,7 +15,7 @@ from ..scaleout.torchrun import detected as under_torchrun
 from ..scaleout.torchrun import run_in_process
 from ..strategies import Strategy
 from ..telemetry.channel import TelemetryServer
-from ..telemetry.options import Telemetry
+from ..telemetry.settings import Telemetry
 from ..telemetry.sinks import Sink
 from . import start
 from .devices import parse_devices, threads_per_worker
@@ -154,5 +154,5 @@ def _start(run: Run, launcher: Launcher, payload: Any, plan, request: start.Requ
         raise
     deadline = time.monotonic() + run.timeout if run.timeout else None
     supervisor = Supervisor(handles, run._emit, deadline)
-    run._attach(supervisor, cleanup)
+    run.follow(supervisor, cleanup)
     supervisor.start()

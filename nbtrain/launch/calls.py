@@ -32,7 +32,7 @@ def options_of(strategy: Strategy) -> list[str]:
     return [f.name for f in dataclasses.fields(strategy) if f.name not in _NOT_OPTIONS]
 
 
-def plan(who: str, fn, args: tuple, kwargs: dict, strategy: Strategy
+def bind(who: str, fn, args: tuple, kwargs: dict, strategy: Strategy
          ) -> tuple[Any, dict, Strategy]:
     """``(what the workers call with ctx first, its keyword arguments, the strategy with
     the options given to launch())``."""

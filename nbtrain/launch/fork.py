@@ -22,14 +22,15 @@ class ForkLauncher:
         self._context = multiprocessing.get_context("fork")
 
     def prepare(self, fn, args: tuple, kwargs: dict, strategy) -> Any:
-        return (fn, args, kwargs, strategy)
+        return (fn, args, kwargs, strategy)  # by reference: a forked rank has them all
 
     def start(self, spec: WorkerSpec, payload: Any) -> WorkerHandle:
         # What every worker would import, once per kernel (about 1 s the first time): here,
         # after the run's header is on the page, not before it. (A pool's workers get no
         # payload; the pool warms the kernel itself.)
         if payload is not None:
-            warm_kernel(payload[3].warm_imports_for(spec.accelerator))
+            _fn, _args, _kwargs, strategy = payload
+            warm_kernel(strategy.warm_imports_for(spec.accelerator))
         return start_with_context(self._context, spec, payload)
 
     def close(self) -> None:

@@ -474,7 +474,7 @@ class RankPool:
             finally:
                 self._busy = None
 
-        run._attach(op, [after])
+        run.follow(op, [after])
         return start.finish(run, view, background, stop_timeout=INTERRUPT_GRACE_S + 10)
 
     def __repr__(self) -> str:

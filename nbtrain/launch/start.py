@@ -5,7 +5,7 @@ picker (through ``launch()``), torchrun's ranks and a SLURM submission share.
     run, view = open_run(request, plan, "fork")      # the Run, its header in the cell
     specs = rank_specs(plan, ...)                    # one WorkerSpec per rank
     handles = start_ranks(launcher, specs, payload)  # all started, or none left
-    ... a Supervisor (or a PoolOp) takes the handles; run._attach(it, cleanup)
+    ... a Supervisor (or a PoolOp) takes the handles; run.follow(it, cleanup)
     return finish(run, view, request.background)     # the figure, then wait in the cell
 """
 
@@ -22,7 +22,7 @@ from .. import seeding, strategies
 from ..run import DASHBOARDS, Run
 from ..spec import WorkerSpec
 from ..strategies import Strategy
-from ..telemetry.options import Telemetry
+from ..telemetry.settings import Telemetry
 from . import calls
 from .launcher import Launcher, WorkerHandle, interrupts_deferred
 from .supervisor import kill_group
@@ -71,7 +71,7 @@ def check(who: str, fn, args: tuple, kwargs: dict, *, strategy: str | Strategy =
     if dashboard not in DASHBOARDS:
         raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, False, or "
                          "force one view: 'widget', 'static' or 'text'.")
-    call, own, chosen = calls.plan(who, fn, args, kwargs, strategies.get(strategy))
+    call, own, chosen = calls.bind(who, fn, args, kwargs, strategies.get(strategy))
     return Request(call, tuple(args), own, chosen, seeding.base_seed(seed), seed, timeout,
                    Telemetry.from_arg(telemetry), tuple(sinks), dashboard,
                    _resume_path(resume), background)
@@ -99,7 +99,7 @@ def open_run(request: Request, plan, started_by: str):
               request.sinks, seed=request.base_seed)
     view = None
     if request.dashboard is not False and request.telemetry.enabled:
-        view = run.attach_view(request.dashboard)
+        view = run.open_view(request.dashboard)
     return run, view
 
 

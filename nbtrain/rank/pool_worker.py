@@ -149,9 +149,9 @@ def run_cell(code: str, filename: str, namespace: dict) -> str | None:
 def free(spec: WorkerSpec) -> None:
     """After a run: collect what it made (models, optimizers, their state) and, on CUDA,
     give the cached blocks back, so the next run's memory figures start from zero."""
-    from ..strategies.deepspeed import release
+    from ..strategies import release
 
-    release()  # DeepSpeed's own process groups, if a run made them
+    release()  # what a strategy kept beyond the run (DeepSpeed's engines and groups)
     gc.collect()
     if spec.accelerator == "cuda":
         import torch

@@ -213,10 +213,10 @@ class Watch:
         job = _Job(run)
         if self.dashboard is not False:
             with _in_cell(self._cell):
-                view = run.attach_view(self.dashboard)
+                view = run.open_view(self.dashboard)
             if view is not None:
                 view.start()
-        run._attach(job, [])
+        run.follow(job, [])
         return job
 
     def _announce(self) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 from ..launch import start
 from ..launch.spawn import serialize
 from ..run import Run
-from ..telemetry.options import Telemetry
+from ..telemetry.settings import Telemetry
 from ..wire import encode_result
 from .listen import Watch, _cell_parent, _in_cell, _Job, _RemoteFailure
 from .torchrun import ATTACH_ENV, RUN_ID_ENV
@@ -109,7 +109,7 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
     run.remote = {"job": job.job_id, "folder": os.path.abspath(os.fspath(folder)),
                   "logs": [str(job.paths.stdout), str(job.paths.stderr)]}
     run._status = "queued"
-    run._attach(supervisor, [watch.close] if watch is not None else [])
+    run.follow(supervisor, [watch.close] if watch is not None else [])
     if view is not None:
         view.start()
     supervisor.start()

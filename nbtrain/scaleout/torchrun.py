@@ -154,18 +154,15 @@ def run_in_process(request: Request, accelerator: str,
             event = decode(data)
             if event is not None:
                 run._on_event(dataclasses.replace(event, t=event.t + offset))
-    run._attach(_Finished(results), [])
+    run.follow(_Finished(results), [])
     run.wait()
     return run
 
 
-# The handles of the last gather's collectives, kept until the next gather (or exit). A
-# gloo worker thread that drops the last reference to a finished collective frees its
-# tensors, which needs the GIL; at interpreter exit Python ends such a thread inside that
-# destructor (std::terminate: "terminate called without an active exception", SIGABRT,
-# seen in a core dump as ~AsyncGatherWork <- ProcessGroupGloo::runLoop while the main
-# thread was in Py_FinalizeEx). While these handles live, the last reference is ours, and
-# the main thread drops it, holding the GIL.
+# The handles of the last gather's collectives, kept until the next gather (or exit), so
+# the last reference to a finished collective is the main thread's. Dropped by a gloo
+# worker thread instead, its destructor needs the GIL, and at interpreter exit that
+# thread is ended inside it: std::terminate, SIGABRT.
 _LAST_GATHER: list[Any] = []
 
 
@@ -209,10 +206,9 @@ def _join(plan: DevicePlan, local_rank: int, timeout_s: float) -> None:
         torch.cuda.set_device(local_rank)
         init["device_id"] = torch.device("cuda", local_rank)
     dist.init_process_group(**init)
-    # The group nbtrain made, nbtrain ends when the script does. Left to the interpreter's
-    # exit, its C++ threads were destroyed still running: "terminate called without an
-    # active exception", SIGABRT, and the other agent waited until its timeout (seen on
-    # localhost c10d runs).
+    # The group nbtrain made, nbtrain ends when the script does: left to the interpreter's
+    # exit, its C++ threads are destroyed still running (SIGABRT), and the other agent
+    # waits for its timeout.
     atexit.register(_leave, dist)
 
 

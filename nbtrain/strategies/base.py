@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import torch
 from torch import nn
+
+from . import state
+from .activation import apply, clean_name, normalize
+from .norms import convert_to_sync
 
 if TYPE_CHECKING:
     from ..launch.devices import DevicePlan
@@ -80,8 +86,6 @@ class Strategy:
 
     def __post_init__(self) -> None:
         self.mixed_precision = normalize_precision(self.mixed_precision)
-        from .activation import normalize
-
         self.activation_checkpointing = normalize(self.activation_checkpointing)
 
     @property
@@ -112,13 +116,36 @@ class Strategy:
         """Changes to the model made before anything else sees it (``ctx.setup`` calls
         it first): SyncBatchNorm when asked."""
         if self.sync_batchnorm:
-            from .norms import convert_to_sync
-
             return convert_to_sync(module)
         return module
 
     def setup_module(self, module: nn.Module, ctx: Host) -> nn.Module:
         raise NotImplementedError
+
+    def shard_device(self, ctx: Host) -> torch.device | None:
+        """Where this rank's shards of a model built on the meta device are allocated,
+        after wrapping (FSDP); None: the model is materialised whole, before."""
+        return None
+
+    def setup(self, module: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
+              ctx: Host, materialize: Callable[[nn.Module, torch.device], None] | None = None,
+              ) -> tuple[nn.Module, tuple]:
+        """Wrap ``module`` and re-point ``optimizers`` at the parameters the wrapping made
+        (``ctx.setup``). ``materialize(module, device)``, given for a model built on the
+        meta device, allocates and initialises it (whole, or the shards it holds)."""
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        shards_on = self.shard_device(ctx)
+        if materialize is not None and shards_on is None:
+            materialize(module, ctx.device)
+        wrapped = self.setup_module(module, ctx)
+        if materialize is not None and shards_on is not None:
+            materialize(wrapped, shards_on)
+        inner = wrapped.module if isinstance(wrapped, nn.parallel.DistributedDataParallel) \
+            else wrapped
+        current = {clean_name(n): p for n, p in inner.named_parameters(remove_duplicate=False)}
+        for opt in optimizers:
+            repoint(opt, names, current)
+        return wrapped, tuple(self.setup_optimizer(opt, wrapped, ctx) for opt in optimizers)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module,
                         ctx: Host) -> torch.optim.Optimizer:
@@ -131,35 +158,85 @@ class Strategy:
             return None
         return torch.amp.GradScaler(ctx.device.type)
 
+    # -- the training step and the state: torch's way here. A strategy that trains
+    # through its own engine (DeepSpeed) overrides these, so the context, checkpoints
+    # and telemetry never ask which strategy they have.
+    @classmethod
+    def owns(cls, obj: Any) -> bool:
+        """Is ``obj`` (a model or an optimizer) one only this strategy's hooks handle?
+        (``strategies.owner_of`` asks each strategy.)"""
+        return False
+
+    def backward(self, model: nn.Module | None, loss: torch.Tensor, scaler=None) -> None:
+        """``loss.backward()``; scaled by fp16's ``scaler`` when there is one."""
+        (loss if scaler is None else scaler.scale(loss)).backward()
+
+    @contextlib.contextmanager
+    def no_backward_sync(self, model: nn.Module) -> Iterator[None]:
+        """Backward inside accumulates gradients locally, unsynchronised (DDP's
+        ``no_sync``, FSDP's ``set_requires_gradient_sync(False)``)."""
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            with model.no_sync():
+                yield
+        elif hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        else:
+            raise TypeError(f"ctx.no_backward_sync() takes the model ctx.setup() returned; "
+                            f"got {type(model).__name__}, which is not wrapped by a strategy.")
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the (unscaled) gradients to ``max_norm``; the whole model's norm before,
+        reduced across ranks when the gradients are sharded (FSDP's DTensors)."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        if hasattr(total, "full_tensor"):  # a DTensor: partial norms of the shards
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def model_state_dict(self, model: nn.Module, full: bool = False) -> dict[str, Any]:
+        """The model's state under torch's keys: this rank's shards (``full``: the whole
+        tensors on rank 0). A collective."""
+        return state.model_state_dict(model, full)
+
+    def load_model_state_dict(self, model: nn.Module, values: dict[str, Any],
+                              strict: bool = True) -> None:
+        state.load_model_state_dict(model, values, strict)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer,
+                             full: bool = False) -> dict[str, Any]:
+        """The optimizer's state under torch's flattened keys. A collective."""
+        return state.optimizer_state_dict(model, optimizer, full)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer, values: dict[str, Any],
+                                  strict: bool = True) -> None:
+        state.load_optimizer_state_dict(model, optimizer, values, strict)
+
+    def memory_tensors(self, model: nn.Module | None,
+                       optimizers) -> dict[str, list[torch.Tensor]]:
+        """This rank's tensors by memory category: ``params``, ``grads``, ``optimizer``."""
+        return state.memory_tensors(model, optimizers)
+
+    def release(self) -> None:
+        """After a run in a warm worker (a RankPool): let go of what the strategy keeps
+        beyond the run, so the next starts clean."""
+
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The whole unsharded state dict on rank 0, on CPU; ``{}`` on other ranks.
 
         A collective: every rank must call it.
         """
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
-        from .norms import sync_statistics
-
-        sync_statistics(module)  # rank 0's running statistics, as a checkpoint holds
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = get_model_state_dict(module, options=options)
-        # On CPU the "offloaded" whole tensors of an unsharded model are the live ones: a
-        # snapshot taken before training would change with every step. Copy those.
-        live = {t.untyped_storage().data_ptr() for t in (*module.parameters(),
-                                                         *module.buffers())
-                if t.device.type == "cpu" and type(t) in (torch.Tensor, nn.Parameter)}
-        return {k: v.clone() if isinstance(v, torch.Tensor)
-                and v.untyped_storage().data_ptr() in live else v for k, v in full.items()}
+        return state.full_state_dict(module)
 
     def checkpoint_activations(self, module: nn.Module) -> dict[int, nn.Module]:
         """Apply activation checkpointing when asked: ``{id(block): wrapper}``."""
         if not self.activation_checkpointing:
             return {}
-        from .activation import apply
-
         return apply(module, self.activation_checkpointing)
 
     def summary(self) -> str:
@@ -167,6 +244,24 @@ class Strategy:
         if self.activation_checkpointing:
             extras.append("activation_checkpointing=" + checkpointed(self))
         return self.name + (f" ({', '.join(extras)})" if extras else "")
+
+
+def repoint(opt: torch.optim.Optimizer, names: dict[int, str],
+            current: dict[str, nn.Parameter]) -> None:
+    """Point ``opt``'s groups at the parameters now named as ``names`` named the old ones."""
+    replaced = 0
+    for group in opt.param_groups:
+        params = []
+        for p in group["params"]:
+            new = current.get(names.get(id(p), ""), p)
+            replaced += new is not p
+            params.append(new)
+        group["params"] = params
+    if replaced and opt.state:
+        raise RuntimeError("ctx.setup() got an optimizer that has already stepped, but the "
+                           "strategy replaced the model's parameters (FSDP shards them), so "
+                           "its state no longer matches. Build the optimizer and call "
+                           "ctx.setup(model, opt) before training.")
 
 
 def checkpointed(strategy: Strategy) -> str:

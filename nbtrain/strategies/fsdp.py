@@ -134,6 +134,9 @@ class FSDP(Strategy):
             visit(child)
         return units
 
+    def shard_device(self, ctx: Host) -> torch.device:
+        return torch.device("cpu") if self.offload else ctx.device
+
     def setup_module(self, module: nn.Module, ctx: Host) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (

@@ -24,7 +24,7 @@ time, and the global random state is left as it was.
 
 What cannot be replayed fails with what to do: inside the block, an op that needs the
 values of a meta tensor (``.item()``, data-dependent shapes) or writes two tensors at
-once; in ``plan``, a meta tensor the block did not create and an in-place change after
+once; in ``sources``, a meta tensor the block did not create and an in-place change after
 the block to a tensor a module registered in it. Not seen: code that itself skips meta
 tensors (besides the ``nn.init`` functions wrapped here) and changes after the block
 through ``.data`` or to deep-copied modules.
@@ -400,7 +400,7 @@ def on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
-def plan(module: nn.Module, rec: Recording | None) -> dict[tuple[int, str], _Ref]:
+def sources(module: nn.Module, rec: Recording | None) -> dict[tuple[int, str], _Ref]:
     """Where each meta parameter and buffer of ``module`` gets its values, by (id of its
     module, name): taken before the strategy replaces them with shards."""
     out = {}
@@ -441,9 +441,9 @@ def _uninitialised(ref: _Ref) -> bool:
     return e.creator is not None and e.creator.func in _EMPTY and not e.ops[:ref.version]
 
 
-def materialize(module: nn.Module, device: torch.device, refs: dict) -> None:
+def materialize(module: nn.Module, device: torch.device, sources: dict) -> None:
     """Allocate ``module``'s (possibly sharded) tensors on ``device`` and fill them with
-    the values recorded in ``refs`` (from ``plan``)."""
+    the values recorded in ``sources`` (from ``sources()``)."""
     shared: dict[int, list[tuple[dict, str]]] = {}  # a tensor held by several modules
     for m in module.modules():
         for where in (m._parameters, m._buffers):
@@ -459,7 +459,7 @@ def materialize(module: nn.Module, device: torch.device, refs: dict) -> None:
         for m in module.modules():
             tensors = [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
             for name, t in tensors:
-                ref = refs.get((id(m), name))
+                ref = sources.get((id(m), name))
                 if ref is not None and t is not None:
                     copy_into(t, _build(ref))
 

@@ -4,6 +4,7 @@ unknown name all read it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -94,7 +95,36 @@ def _variant(cls: type[Strategy], **fixed) -> Callable[..., Strategy]:
     def make(**options) -> Strategy:
         return cls(**{**fixed, **options})
 
+    make.cls = cls
     return make
+
+
+def _classes() -> list[type[Strategy]]:
+    """Each registered strategy class once."""
+    found = dict.fromkeys(getattr(e.make, "cls", e.make) for e in _REGISTRY.values())
+    return [c for c in found if isinstance(c, type) and issubclass(c, Strategy)]
+
+
+@functools.cache
+def _hooks(cls: type[Strategy]) -> Strategy:
+    return cls()
+
+
+def owner_of(obj) -> Strategy:
+    """The strategy whose hooks handle ``obj``, a model or an optimizer: the one whose
+    own object it is (DeepSpeed's engine and its optimizer), else torch's way, the base
+    ``Strategy``'s hooks, which serve DDP, FSDP, ZeRO-1 and a plain model alike. For
+    code that holds the object but not the run's strategy (checkpoints, telemetry)."""
+    for cls in _classes():
+        if cls.owns(obj):
+            return _hooks(cls)
+    return _hooks(Strategy)
+
+
+def release() -> None:
+    """After a run in a warm worker: each strategy lets go of what it kept."""
+    for cls in _classes():
+        _hooks(cls).release()
 
 
 register("ddp", DDP, DDP.description)

@@ -11,7 +11,6 @@ hyper-parameters and param groups; an LR scheduler must be built on the optimize
 from __future__ import annotations
 
 import inspect
-import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -60,12 +59,3 @@ def to_zero(optimizer: torch.optim.Optimizer, bucket_view: bool = False):
     defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in signature}
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
                                    parameters_as_bucket_view=bucket_view, **defaults)
-
-
-def local_optimizer(optimizer):
-    """The optimizer that holds this rank's state: ZeRO's inner one, or itself."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # fp16's _ScaledOptimizer
-    # Not imported here: ``torch.distributed.optim`` compiles TorchScript on import (1.3 s
-    # in a worker, on every launch, for a memory sample). A ZeRO optimizer has imported it.
-    zero = sys.modules.get("torch.distributed.optim")
-    return inner.optim if zero and isinstance(inner, zero.ZeroRedundancyOptimizer) else inner

@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..strategies import owner_of
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") and hasattr(t, "device_mesh") else t
@@ -74,25 +76,8 @@ def memory_by_category(model: nn.Module | None,
     On a GPU run, what lives in host memory instead (FSDP's CPU offload) is reported
     apart as ``params_host``, ``grads_host`` and ``optimizer_host``, when there is any.
     """
-    from ..strategies.deepspeed import is_engine, memory_tensors
-    from ..strategies.zero import local_optimizer
-
-    seen: set = set()
-    on_gpu = device is not None and device.type != "cpu"
-    if model is not None and is_engine(model):  # DeepSpeed: its own partitions
-        return _by_category(memory_tensors(model), seen, on_gpu)
-    if model is not None:
-        params = list(model.parameters())
-    else:  # a loop nbtrain did not set up: the parameters its optimizers train
-        params = [p for opt in optimizers for group in local_optimizer(opt).param_groups
-                  for p in group["params"]]
-    state: list[torch.Tensor] = []
-    for opt in optimizers:
-        for per_param in local_optimizer(opt).state.values():
-            state += [v for v in per_param.values()
-                      if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return _by_category({"params": params, "grads": [p.grad for p in params],
-                         "optimizer": state}, seen, on_gpu)
+    tensors = owner_of(model).memory_tensors(model, optimizers)
+    return _by_category(tensors, set(), device is not None and device.type != "cpu")
 
 
 def _by_category(groups: dict[str, list], seen: set, on_gpu: bool) -> dict[str, int]:

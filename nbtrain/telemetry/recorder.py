@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any
 
 import torch
 from torch import nn
 
 from .channel import TelemetryClient
-from .events import Comm, Memory, Step
-from .options import Telemetry
+from .events import Comm, Memory, Metric, Step
 from .probes import (
     ActivationProbe,
     CommCounter,
@@ -22,16 +22,19 @@ from .probes import (
     cuda_memory,
     memory_by_category,
 )
+from .settings import Telemetry
+
+METRIC_BATCH = 16  # ctx.log calls whose accelerator tensors are read back together
 
 
 class Recorder:
     def __init__(self, rank: int, device: torch.device, client: TelemetryClient,
-                 options: Telemetry):
+                 settings: Telemetry):
         self.rank = rank
         self.device = device
         self.client = client
-        self.options = options
-        self.comm = CommCounter() if options.comm else None
+        self.settings = settings
+        self.comm = CommCounter() if settings.comm else None
         if self.comm:
             self.comm.install()
         self._model: nn.Module | None = None
@@ -47,14 +50,15 @@ class Recorder:
         self._batches_seen = False
         self._watched_at = time.monotonic()
         self._paused = False
-        self._activations = ActivationProbe() if options.profile_memory else None
+        self._activations = ActivationProbe() if settings.profile_memory else None
         self._activation_bytes: int | None = None
+        self._pending: list[tuple[int, float, dict[str, Any]]] = []  # metrics not sent yet
 
-    def watch(self, model: nn.Module, optimizers, ddp: bool) -> None:
+    def watch(self, model: nn.Module, optimizers) -> None:
         self._watched_at = time.monotonic()  # without ctx.dataloader, step 0 starts here
         self._model = model
         self._optimizers = list(optimizers)
-        if ddp and self.comm:
+        if isinstance(model, nn.parallel.DistributedDataParallel) and self.comm:
             self._ddp = DDPBuckets(model)
         if self._optimizers:
             self._optimizers[0].register_step_post_hook(self._after_optimizer_step)
@@ -85,7 +89,7 @@ class Recorder:
         return self._opt_steps
 
     def _sampling_next(self) -> bool:
-        every = self.options.memory_every
+        every = self.settings.memory_every
         return bool(every) and self._opt_steps % every == 0
 
     def _before_forward(self, module, args) -> None:
@@ -157,7 +161,7 @@ class Recorder:
             self._boundary(step + 1, 0)
         self._opt_steps += 1
         self._opt_end = time.monotonic()
-        every = self.options.memory_every
+        every = self.settings.memory_every
         if every and (self._opt_steps - 1) % every == 0:
             self.sample_memory(max(step, 0))
 
@@ -172,7 +176,48 @@ class Recorder:
             values.update(cuda_memory(self.device))
         self.client.send(Memory(rank=self.rank, step=step, t=time.monotonic(), values=values))
 
+    # -- ctx.log ------------------------------------------------------------------------
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Scalar metrics at ``step``, as a ``Metric`` event. Tensors on an accelerator are
+        read back ``METRIC_BATCH`` calls at a time, not with one sync per call."""
+        values: dict[str, Any] = {}
+        on_accelerator = False
+        for key, value in metrics.items():
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(f"ctx.log({key}=...) takes a scalar; got a tensor of shape "
+                                     f"{tuple(value.shape)}. Log a reduction such as .mean().")
+                value = value.detach()
+                if value.device.type != "cpu":
+                    on_accelerator = True
+                    value = value.clone()
+                else:
+                    value = value.item()
+            elif isinstance(value, (int, float)) or hasattr(value, "__float__"):
+                value = float(value)
+            else:
+                raise TypeError(f"ctx.log({key}=...) takes numbers or scalar tensors; got "
+                                f"{type(value).__name__}.")
+            values[key] = value
+        self._pending.append((step, time.monotonic(), values))
+        if not on_accelerator or len(self._pending) >= METRIC_BATCH:
+            self.flush_metrics()
+
+    def flush_metrics(self) -> None:
+        if not self._pending:
+            return
+        tensors = [v for _, _, vals in self._pending for v in vals.values()
+                   if isinstance(v, torch.Tensor)]
+        numbers = iter(torch.stack([t.float().reshape(()) for t in tensors]).tolist()
+                       if tensors else [])
+        pending, self._pending = self._pending, []
+        for step, t, vals in pending:
+            floats = {k: next(numbers) if isinstance(v, torch.Tensor) else v
+                      for k, v in vals.items()}
+            self.client.send(Metric(rank=self.rank, step=step, t=t, values=floats))
+
     def close(self) -> None:
+        self.flush_metrics()
         # The last step ends with its optimizer step, not with whatever the function did
         # after the loop (gathering a state dict, evaluating).
         end = time.monotonic()

@@ -1,10 +1,17 @@
 """What users see of a run: the live dashboard, its static and text fallbacks, the
 strategy picker and the comparison of finished runs.
 
-The UI attaches itself to runs: importing this package registers ``attach_dashboard`` as
-the view ``launch(dashboard=...)`` asks a ``Run`` for, and ``show_run`` as how a ``Run``
-shown on its own displays (``Run`` itself knows no UI). Nothing here may break or slow a run: a view that cannot be built is
-skipped with a warning, and a view that fails to draw stops drawing.
+The UI attaches itself to runs: importing this package registers ``attach_dashboard``
+as the view ``launch(dashboard=...)`` asks a ``Run`` for (``Run.open_view``), and
+``show_run`` as how a ``Run`` shown on its own displays (``Run`` itself knows no UI).
+Nothing here may break or slow a run: a view that cannot be built is skipped with a
+warning, and a view that fails to draw stops drawing.
+
+Modules: ``view`` (what every live view shares: a sink, a drawer thread), ``dashboard``
+(the widget view), ``static`` (views where widgets cannot render: a figure through
+display handles, text), ``series`` (bounded series and the redraw rate limit),
+``state``, ``figures``, ``header``, ``keeper``, ``livechart``, ``frontend``, ``picker``,
+``compare``, ``progress``, ``theory``.
 """
 
 from __future__ import annotations
@@ -33,11 +40,11 @@ def make_view(run: Run | None, mode: str, display: bool = True):
 
         return Dashboard(run, display=display)
     if mode == "static":
-        from .fallback import StaticView
+        from .static import StaticView
 
         return StaticView(run, display=display)
     if mode == "text":
-        from .fallback import TextView
+        from .static import TextView
 
         return TextView(run, display=display)
     raise ValueError(f"mode={mode!r}: one of 'widget', 'static', 'text'.")
@@ -74,10 +81,10 @@ def show_run(run: Run) -> None:
     ``run.summary()`` as text. Used when a ``Run`` is the last line of a cell."""
     from IPython.display import display
 
-    from .fallback import figure_bundle
     from .figures import build_figure
     from .header import error_html, header_html
     from .state import LiveState
+    from .static import figure_bundle
 
     state = LiveState.from_run(run, max_points=300)
     with state.lock:

@@ -300,7 +300,7 @@ class Comparison:
         return fig
 
     def bundles(self) -> list[dict]:
-        from .fallback import figure_bundle
+        from .static import figure_bundle
 
         out = [{"text/html": self.html(), "text/plain": str(self)}]
         if self.rows:

@@ -33,13 +33,13 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ._live import LiveView
-from .fallback import figure_bundle
 from .figures import build_figure, figure_height, figure_json
 from .frontend import INSTALL, missing_widget_packages
 from .header import error_html, header_html, header_text, twin_style
 from .keeper import KeptDisplay
 from .keeper import update as kept_update
+from .static import figure_bundle
+from .view import LiveView
 
 if TYPE_CHECKING:
     from ..run import Run

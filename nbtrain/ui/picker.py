@@ -245,8 +245,8 @@ class StrategyPicker:
         empty = {"text/plain": ""}
         chart = empty
         if self.dashboard is not None and self.run is not None and self.run.done:
-            from .fallback import figure_bundle
             from .figures import build_figure
+            from .static import figure_bundle
 
             chart = figure_bundle(build_figure(self.dashboard.state),
                                   f"the last run: {self.run.strategy.summary()}")

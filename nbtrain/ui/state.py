@@ -1,6 +1,6 @@
 """What a dashboard draws, kept up to date from a run's events in O(1) per event.
 
-``LiveState`` is plain data: per-rank series (bounded, see ``_throttle.Series``), the
+``LiveState`` is plain data: per-rank series (bounded, see ``series.Series``), the
 latest memory by category, communication per step by op, status per rank and errors. It
 can be rebuilt from a recorded history (``from_history``) so finished runs, tests and the
 live view share one drawing path.
@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..telemetry.events import Comm, Event, Lifecycle, Memory, Metric, Step
-from ._throttle import Series
+from .series import Series
 
 if TYPE_CHECKING:
     from ..run import Run

@@ -23,7 +23,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from ..telemetry.events import Event
-from ._throttle import Throttle
+from .series import Throttle
 from .state import LiveState
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Telemetry:
-    """Telemetry options.
+    """What the ranks report (telemetry settings).
 
     ``launch(telemetry=True)`` uses the defaults, ``telemetry=False`` turns every event
     off (``ctx.log`` included), ``telemetry=Telemetry(memory_every=1)`` samples memory

@@ -21,9 +21,9 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from ._live import LiveView
 from .figures import build_figure
 from .header import error_html, header_html, header_text
+from .view import LiveView
 
 if TYPE_CHECKING:
     from ..run import Run
