@@ -271,6 +271,30 @@ def test_an_interrupt_while_a_worker_starts_arrives_after_its_handle_is_kept():
         signal.signal(signal.SIGINT, outer)
 
 
+def test_an_interrupt_as_the_ranks_start_stops_the_run(monkeypatch):
+    """An interrupt in the instant between the ranks' start and the run following them
+    is taken once the run follows them, and stops it: no rank is left unfollowed."""
+    from nbtrain.launch import start
+
+    start_ranks = start.start_ranks
+
+    def start_then_interrupt(*args, **kwargs):
+        handles = start_ranks(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(0.05)  # Python runs its handler between bytecodes
+        return handles
+
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        monkeypatch.setattr(start, "start_ranks", start_then_interrupt)
+        with pytest.raises(KeyboardInterrupt, match="the run was stopped"):
+            nbtrain.launch(sleeper, devices=2, accelerator="cpu", dashboard=False)
+    finally:
+        signal.signal(signal.SIGINT, outer)
+    run = nbtrain.last_run()
+    assert run.done and run.status == "stopped"
+
+
 def test_kill_group_ends_a_worker_that_is_not_yet_its_own_group():
     """A spawned worker joins its own process group only once nbtrain's code runs in it;
     before that (importing torch) killpg finds no group, and the worker must still end."""

@@ -243,3 +243,31 @@ def test_closing_the_pool_stops_its_background_run(pool):
     pool.close()
     assert run.done and run.status == "stopped"
     assert pool.closed
+
+
+def test_an_interrupt_as_a_launch_goes_out_stops_the_run_and_the_pool_goes_on(pool,
+                                                                              monkeypatch):
+    """The interrupt arrives in the instant the launch command reaches the ranks, before
+    the run follows them: it is taken once the run does, and stops the run as an
+    interrupt in the wait would (it used to leave the ranks running, unfollowed)."""
+    assert pool.run("rank") == {0: "0", 1: "1"}
+    begin = type(pool)._begin
+
+    def begin_then_interrupt(self, *args, **kwargs):
+        op = begin(self, *args, **kwargs)
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(0.05)  # Python runs its handler between bytecodes
+        return op
+
+    # Python's own handler, as in a kernel (a shell's `cmd &` inherits SIGINT ignored)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        monkeypatch.setattr(type(pool), "_begin", begin_then_interrupt)
+        with pytest.raises(KeyboardInterrupt, match="the run was stopped"):
+            pool.launch(sleeper, dashboard=False)
+    finally:
+        signal.signal(signal.SIGINT, outer)
+        monkeypatch.undo()
+    run = nbtrain.last_run()
+    assert run.done and run.status == "stopped"
+    assert pool.run("rank") == {0: "0", 1: "1"} and pool.started == 1

@@ -115,7 +115,8 @@ def _launch(request: start.Request, devices, accelerator: str, start_method: str
     launcher = LAUNCHERS[method]()
     payload = launcher.prepare(request.fn, request.args, request.kwargs, request.strategy)
     run, view = start.open_run(request, plan, method)
-    _start(run, launcher, payload, plan, request)
+    with start.handing_over(run):
+        _start(run, launcher, payload, plan, request)
     return start.finish(run, view, request.background)
 
 

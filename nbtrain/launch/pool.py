@@ -440,41 +440,48 @@ class RankPool:
                 raise RuntimeError(f"the pool is busy ({self._busy}); wait for it to finish "
                                    "or stop it (run.stop()) first.")
             self._busy = "launch"
-        server = None
         try:
-            self._ensure_started()
-            run, view = start.open_run(request, self.plan, f"{self.start_method} pool")
-            options = request.telemetry
-            server = TelemetryServer(run._on_event, host=start.HOST) if options.enabled else None
-            overrides = {"telemetry_address": server.address if server else None,
-                         "telemetry_token": server.token if server else "",
-                         "telemetry": options, "resume_from": request.resume,
-                         "seed": request.base_seed, "data_seed": request.data_seed}
-            deadline = time.monotonic() + timeout if timeout else None
-            op = self._begin(list(range(self.world_size)),
-                             {"op": "launch", "payload": payload, "run": overrides},
-                             deadline, emit=run._emit)
+            self._ensure_started()  # interruptible: no run yet
         except BaseException:
-            if server is not None:
-                server.close()
             self._busy = None
             raise
-        ranks = set(range(self.world_size))
-
-        def after() -> None:
+        server = None
+        with start.handing_over(stop_timeout=INTERRUPT_GRACE_S + 10) as handover:
             try:
+                run, view = start.open_run(request, self.plan, f"{self.start_method} pool")
+                handover.run = run
+                settings = request.telemetry
+                server = (TelemetryServer(run._on_event, host=start.HOST)
+                          if settings.enabled else None)
+                overrides = {"telemetry_address": server.address if server else None,
+                             "telemetry_token": server.token if server else "",
+                             "telemetry": settings, "resume_from": request.resume,
+                             "seed": request.base_seed, "data_seed": request.data_seed}
+                deadline = time.monotonic() + timeout if timeout else None
+                op = self._begin(list(range(self.world_size)),
+                                 {"op": "launch", "payload": payload, "run": overrides},
+                                 deadline, emit=run._emit)
+            except BaseException:
                 if server is not None:
-                    server.drain_and_close(ranks)
-                self._finish(op)
-                if not self._handles:  # the error the run raises says what became of us
-                    note = (f"The pool's workers were ended: {self._ended}. Its next use "
-                            "starts new ones.")
-                    for f in op.failures:
-                        f.hint = (f.hint + "\n" + note).strip()
-            finally:
+                    server.close()
                 self._busy = None
+                raise
+            ranks = set(range(self.world_size))
 
-        run.follow(op, [after])
+            def after() -> None:
+                try:
+                    if server is not None:
+                        server.drain_and_close(ranks)
+                    self._finish(op)
+                    if not self._handles:  # the error the run raises says what became of us
+                        note = (f"The pool's workers were ended: {self._ended}. Its next "
+                                "use starts new ones.")
+                        for f in op.failures:
+                            f.hint = (f.hint + "\n" + note).strip()
+                finally:
+                    self._busy = None
+
+            run.follow(op, [after])
         return start.finish(run, view, background, stop_timeout=INTERRUPT_GRACE_S + 10)
 
     def __repr__(self) -> str:

@@ -11,6 +11,7 @@ picker (through ``launch()``), torchrun's ranks and a SLURM submission share.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -151,11 +152,36 @@ def wait_in_cell(run: Run, stop_timeout: float = 10.0) -> Run:
     try:
         run.wait()
     except KeyboardInterrupt:
-        run.stop(reason="interrupted", timeout=stop_timeout)
-        step = run.last_step
-        at = f" at step {step}" if step is not None else ""
-        # A new exception, raised here: the traceback is the cell and this line, not
-        # the threading frames the wait was in.
-        raise KeyboardInterrupt(f"the run was stopped{at}; nbtrain.last_run() returns it, "
-                                "with its history.") from None
+        _stop_interrupted(run, stop_timeout)
     return run
+
+
+@dataclasses.dataclass
+class Handover:
+    run: Run | None = None  # set once the run is made
+
+
+@contextlib.contextmanager
+def handing_over(run: Run | None = None, stop_timeout: float = 10.0):
+    """Start the ranks and hand them to their run as one step: an interrupt that arrives
+    meanwhile is taken when the block ends, once the run follows the ranks, and stops
+    the run as an interrupt in the wait does (no rank is left running unfollowed).
+    Yields a ``Handover``; set its ``run`` if the run is made inside the block."""
+    handover = Handover(run)
+    try:
+        with interrupts_deferred():
+            yield handover
+    except KeyboardInterrupt:
+        if handover.run is not None:
+            _stop_interrupted(handover.run, stop_timeout)
+        raise
+
+
+def _stop_interrupted(run: Run, stop_timeout: float) -> None:
+    run.stop(reason="interrupted", timeout=stop_timeout)
+    step = run.last_step
+    at = f" at step {step}" if step is not None else ""
+    # A new exception, raised here: the traceback is the cell and this line, not the
+    # threading frames the wait was in.
+    raise KeyboardInterrupt(f"the run was stopped{at}; nbtrain.last_run() returns it, "
+                            "with its history.") from None
