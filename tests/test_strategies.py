@@ -179,3 +179,37 @@ def test_fsdp_on_cpu_ranks_with_a_torch_whose_fsdp_cannot_says_so_at_launch(monk
         strategies.get("fsdp").check(DevicePlan("cpu", (0, 1)))
     strategies.get("fsdp").check(DevicePlan("cuda", (0, 1)))  # GPUs: fine
     strategies.get("ddp").check(DevicePlan("cpu", (0, 1)))
+
+
+def test_owner_of_gives_the_hooks_of_the_strategy_whose_object_it_is(monkeypatch):
+    """Checkpoints and telemetry hold objects, not the run's strategy: they ask
+    ``owner_of``. Torch's objects get the base Strategy's hooks; DeepSpeed's engine and
+    optimizer get DeepSpeed's; a registered strategy that owns a kind of object is asked."""
+    import dataclasses
+
+    import torch
+
+    from nbtrain.strategies import registry
+    from nbtrain.strategies.deepspeed import DeepSpeed, EngineOptimizer
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert type(strategies.owner_of(model)) is strategies.Strategy
+    assert type(strategies.owner_of(opt)) is strategies.Strategy
+    assert isinstance(strategies.owner_of(EngineOptimizer(None, opt)), DeepSpeed)
+    hooks = strategies.owner_of(model)
+    assert hooks.memory_tensors(model, [opt])["params"] == list(model.parameters())
+    assert set(hooks.model_state_dict(model)) == {"weight", "bias"}
+
+    class Tagged(nn.Linear):
+        pass
+
+    @dataclasses.dataclass
+    class Own(DDP):
+        @classmethod
+        def owns(cls, obj):
+            return isinstance(obj, Tagged)
+
+    monkeypatch.setitem(registry._REGISTRY, "own", registry.Entry("own", Own, "a test."))
+    assert isinstance(strategies.owner_of(Tagged(2, 2)), Own)
+    assert type(strategies.owner_of(model)) is strategies.Strategy
