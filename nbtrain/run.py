@@ -18,7 +18,7 @@ from .telemetry.events import Event, Lifecycle, Output
 from .telemetry.history import History
 from .telemetry.sinks import Sink, SinkDispatcher
 from .telemetry.summary import Summary, summarize
-from .wire import Outcome, decode_result, label
+from .wire import Outcome, decode_result, first_line, label
 
 # How runs are shown: a UI registers itself here, so Run depends on no UI.
 #   "attach": (run, dashboard) -> a live view (a sink with .start()) or None
@@ -231,15 +231,15 @@ class Run:
         threading.Thread(target=self._finish, name="nbtrain-run", daemon=True).start()
 
     def _finish(self) -> None:
-        sup = self._outcome
-        sup.done.wait()
+        outcome = self._outcome
+        outcome.done.wait()
         for close in self._cleanup:
             try:
                 close()
             except Exception:
                 pass
         try:
-            self._conclude(sup)
+            self._conclude(outcome)
         except BaseException as err:  # never leave a waiter hanging
             self._error, self._status = err, "failed"
         self.ended_at = time.monotonic()
@@ -247,26 +247,26 @@ class Run:
         _ACTIVE.discard(self)
         self._done.set()
 
-    def _conclude(self, sup) -> None:
-        workers = sup.workers
-        if sup.crash is not None:
+    def _conclude(self, outcome) -> None:
+        workers = outcome.workers
+        if outcome.crash is not None:
             self._status = "failed"
             raise RuntimeError("nbtrain's supervisor failed (a bug in nbtrain; the workers were "
-                               f"ended): {type(sup.crash).__name__}: {sup.crash}") from sup.crash
-        if sup.teardown_cause == "stop":
+                               f"ended): {type(outcome.crash).__name__}: {outcome.crash}") from outcome.crash
+        if outcome.teardown_cause == "stop":
             self._status = "stopped"
             for rank, w in workers.items():
                 if w.result is None:
                     self.rank_status[rank] = "stopped"
             return
-        if sup.teardown_cause == "timeout":
+        if outcome.teardown_cause == "timeout":
             self._status = "failed"
             finished = [r for r, w in workers.items() if w.result is not None]
-            for r in sup.timed_out_ranks:
+            for r in outcome.timed_out_ranks:
                 self.rank_status[r] = "failed"
-            self._error = RunTimeoutError(self.timeout or 0, sup.timed_out_ranks, finished)
+            self._error = RunTimeoutError(self.timeout or 0, outcome.timed_out_ranks, finished)
             return
-        root = sup.root_failure()
+        root = outcome.root_failure()
         if root is not None:
             self._status = "failed"
             others = []
@@ -275,7 +275,7 @@ class Run:
                     continue
                 if w.failure is not None:
                     others.append(f"rank {rank}: also failed with {w.failure.exc_type}: "
-                                  f"{_first_line(w.failure.message)}")
+                                  f"{first_line(w.failure.message)}")
                     self.rank_status[rank] = "failed"
                 elif w.result is not None:
                     others.append(f"rank {rank}: had finished")
@@ -297,7 +297,7 @@ class Run:
             # launch() showed a live view in this cell: it shows the traceback already
             self._error.shown_in_cell = getattr(self, "_nbtrain_shown_in", None)
             return
-        if sup.teardown_cause == "remote":  # a watched job: its results stay with it
+        if outcome.teardown_cause == "remote":  # a watched job: its results stay with it
             ended = all(s == "done" for s in self.rank_status.values())
             self._status = "done" if ended else "stopped"
             return
@@ -316,17 +316,12 @@ class Run:
             self.rank_status[rank] = "done"
         self._results = results
         self._status = "done"
-        note = getattr(sup, "note", None)  # e.g. every rank trained alone
+        note = getattr(outcome, "note", None)  # e.g. every rank trained alone
         if note:
             self.note = note
             with contextlib.suppress(Exception):
                 self._streams["err"].write(note + "\n")
                 self._streams["err"].flush()
-
-
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else text
 
 
 def _stop_active_runs() -> None:

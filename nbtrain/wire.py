@@ -23,10 +23,12 @@ message on to the other ranks, then (a ``RankPool``'s worker) pickled command di
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import threading
 import traceback
+from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
 RESULT_PICKLE = b"P"
@@ -48,6 +50,17 @@ Cause = Literal["failure", "stop", "timeout", "remote"] | None
 class RankOutcome(Protocol):
     result: bytes | None  # a result message (P or D), once it returned
     failure: Any  # with rank, exc_type, message, traceback, hint; once it failed
+    exitcode: int | None  # once its process ended here (None: it ran elsewhere)
+
+
+@dataclasses.dataclass
+class Reported:
+    """A rank's outcome as a whole, for ranks that ran elsewhere (torchrun's, a SLURM
+    job's)."""
+
+    result: bytes | None = None
+    failure: Any = None
+    exitcode: int | None = None
 
 
 class Outcome(Protocol):
@@ -56,6 +69,7 @@ class Outcome(Protocol):
     done: threading.Event
     workers: dict[int, RankOutcome]
     teardown_cause: Cause
+    timed_out_ranks: Sequence[int]  # the ranks still busy, when it is "timeout"
     crash: BaseException | None  # nbtrain's own failure while running them
 
     def root_failure(self) -> Any:
@@ -146,6 +160,11 @@ def encode_failure(exc: BaseException, rank: int, skip: tuple[str, ...] = ()) ->
 def decode_failure(message: bytes) -> dict:
     """A failure message's fields: rank, type, module, message, traceback."""
     return json.loads(message[1:])
+
+
+def first_line(text: str) -> str:
+    """A failure message's first line (the whole of a one-line message)."""
+    return text.strip().splitlines()[0] if text.strip() else text
 
 
 def label(text: str, rank: int) -> str:

@@ -210,6 +210,8 @@ def test_owner_of_gives_the_hooks_of_the_strategy_whose_object_it_is(monkeypatch
         def owns(cls, obj):
             return isinstance(obj, Tagged)
 
-    monkeypatch.setitem(registry._REGISTRY, "own", registry.Entry("own", Own, "a test."))
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_CLASSES", dict(registry._CLASSES))
+    strategies.register("own", Own, "a test strategy.")
     assert isinstance(strategies.owner_of(Tagged(2, 2)), Own)
     assert type(strategies.owner_of(model)) is strategies.Strategy

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import WorkerError
-from ..wire import label
+from ..wire import first_line, label
 from .launcher import WorkerHandle
 from .supervisor import Failure, Supervisor, _Worker, exit_failure
 
@@ -40,7 +40,7 @@ class RankCellError(WorkerError):
         exc_type, message, _ = failures[first]
         tracebacks = "\n".join(label(tb or f"{t}: {m}\n", r)
                                for r, (t, m, tb) in sorted(failures.items()))
-        others = [f"rank {r}: also failed with {t}: {_first_line(m)}"
+        others = [f"rank {r}: also failed with {t}: {first_line(m)}"
                   for r, (t, m, _) in sorted(failures.items()) if r != first]
         super().__init__(first, exc_type, message, tracebacks, others, note)
 
@@ -162,10 +162,6 @@ def _readable(w: _Worker, stream: str) -> bool:
         return bool(selectors.select.select([conn.fileno()], [], [], 0)[0])
     except (OSError, ValueError):
         return False
-
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else text
 
 
 def cell_error(failures: dict[int, Failure], note: str) -> RankCellError:

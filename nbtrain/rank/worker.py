@@ -3,9 +3,9 @@
 The parent hands the worker a ``WorkerSpec`` (plain data), the user's function (as an
 object after fork, as dill bytes after spawn) and four pipe ends: control (result or
 error, back to the kernel; messages in ``wire.py``), stdout, stderr, and commands
-(kernel -> worker: first the
-rendezvous address, then, for a ``RankPool`` worker (``spec.pool``), the commands it
-waits for in ``pool_worker.main`` instead of one function).
+(kernel -> worker: first the rendezvous address, then, for a ``RankPool`` worker
+(``spec.pool``), the commands it waits for in ``pool_worker.main`` instead of one
+function).
 
 The rendezvous store lives in rank 0, never in the kernel. A kernel that hosts one runs
 its server thread, and that thread formats each connecting peer's address with glibc's

@@ -64,6 +64,7 @@ class _Job:
 
     crash = None
     teardown_cause = "remote"
+    timed_out_ranks = ()
 
     def __init__(self, run: Run):
         self.run = run

@@ -10,7 +10,7 @@ The function, its arguments and what it uses from the cells travel by value (dil
 they reach spawned workers. ``submitit`` (the ``nbtrain[slurm]`` extra) writes them to
 ``folder`` (on a filesystem the nodes share) and submits an sbatch job of ``nodes`` x
 ``devices`` tasks, started by ``srun``; each task calls ``launch()``, which sees SLURM's
-step (``launch/clusters.py``) and runs the function as that rank. Every rank streams its
+step (``scaleout/clusters.py``) and runs the function as that rank. Every rank streams its
 events to a listener this call opens (a token-protected port; ``listen_host`` must be
 reachable from the nodes), so the run's dashboard is live in the cell. A failing rank
 ends the job (``srun --kill-on-bad-exit``) and its traceback arrives as ``WorkerError``
@@ -34,7 +34,7 @@ from ..launch import start
 from ..launch.spawn import serialize
 from ..run import Run
 from ..telemetry.settings import Telemetry
-from ..wire import encode_result
+from ..wire import Reported, encode_result
 from .listen import Watch, _cell_parent, _in_cell, _Job, _RemoteFailure
 from .torchrun import ATTACH_ENV, RUN_ID_ENV
 
@@ -73,7 +73,7 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
                              f"{'nodes' if name == 'nodes' else 'ranks per node'}.")
     request = start.check("submit()", fn, args, kwargs, strategy=strategy,
                           telemetry=telemetry, dashboard=dashboard, seed=seed)
-    options = request.telemetry
+    settings = request.telemetry
     params = _sbatch_params(dict(slurm or {}))
     if accelerator == "auto":
         accelerator = "cuda" if params.get("gpus_per_node") else "cpu"
@@ -89,7 +89,7 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
     with _in_cell(_cell_parent()):
         run, view = start.open_run(dataclasses.replace(request, base_seed=seed),
                                    _Plan(accelerator, world), "slurm")
-    watch = Watch(listen_host, 0, dashboard=False) if options.enabled else None
+    watch = Watch(listen_host, 0, dashboard=False) if settings.enabled else None
     executor = submitit.SlurmExecutor(folder=os.fspath(folder))
     srun_args = ["--kill-on-bad-exit=1", *params.pop("srun_args", [])]
     executor.update_parameters(nodes=nodes, ntasks_per_node=devices, srun_args=srun_args,
@@ -98,7 +98,7 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
     if watch is not None:
         environ[ATTACH_ENV] = watch.address
     try:
-        job = executor.submit(_task, payload, accelerator, options, seed, environ)
+        job = executor.submit(_task, payload, accelerator, settings, seed, environ)
     except Exception:
         if watch is not None:
             watch.close()
@@ -156,7 +156,7 @@ def _sbatch_params(given: dict) -> dict:
     return params
 
 
-def _task(payload: bytes, accelerator: str, options: Telemetry, seed: int | None,
+def _task(payload: bytes, accelerator: str, settings: Telemetry, seed: int | None,
           environ: dict[str, str]):
     """One SLURM task: ``launch()`` as this task's rank. Rank 0 returns every rank's
     results (gathered), the others None."""
@@ -166,7 +166,7 @@ def _task(payload: bytes, accelerator: str, options: Telemetry, seed: int | None
 
     os.environ.update(environ)
     fn, args, kwargs, strategy = dill.loads(payload)
-    run = launch(fn, *args, strategy=strategy, accelerator=accelerator, telemetry=options,
+    run = launch(fn, *args, strategy=strategy, accelerator=accelerator, telemetry=settings,
                  seed=seed, dashboard=False, **kwargs)
     return None if run is None else run.results
 
@@ -176,13 +176,12 @@ class _SlurmJob(_Job):
     the listener (``_Job``'s links); its state and results come from SLURM and submitit."""
 
     teardown_cause = None
-    timed_out_ranks: list[int] = []
     note = None
 
     def __init__(self, run: Run, job, world_size: int, watch: Watch | None):
         super().__init__(run)
         self.job, self.watch = job, watch
-        self.workers = {rank: _Rank() for rank in range(world_size)}
+        self.workers = {rank: Reported() for rank in range(world_size)}
         self._written_at: float | None = None
         self._thread = threading.Thread(target=self._poll, name="nbtrain-slurm", daemon=True)
 
@@ -237,10 +236,10 @@ class _SlurmJob(_Job):
                     continue  # ended with the job when the failing rank did (srun -K)
                 if self.failure is None:
                     self.failure = _RemoteFailure(
-                        rank, type(err).__name__, _first_line(str(err)), str(err)[-20_000:],
+                        rank, type(err).__name__, _exception_line(str(err)), str(err)[-20_000:],
                         hint=f"The job's logs: {', '.join(self.run.remote['logs'])}")
                 self.workers[rank].failure = self.failure if self.failure.rank == rank \
-                    else _RemoteFailure(rank, type(err).__name__, _first_line(str(err)), "")
+                    else _RemoteFailure(rank, type(err).__name__, _exception_line(str(err)), "")
                 continue
             if rank == 0 and value is not None:
                 for r, result in enumerate(value):
@@ -251,13 +250,8 @@ class _SlurmJob(_Job):
                 "", hint=f"The job's logs: {', '.join(self.run.remote['logs'])}")
 
 
-class _Rank:
-    result: bytes | None = None
-    failure: Any = None
-    exitcode: int | None = None
-
-
-def _first_line(text: str) -> str:
+def _exception_line(text: str) -> str:
+    """The exception's line of a remote error's text (its last non-empty line)."""
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:500] if lines else text[:500]
 

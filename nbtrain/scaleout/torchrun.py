@@ -35,7 +35,7 @@ from ..run import Run
 from ..spec import WorkerSpec
 from ..telemetry.channel import TelemetryClient, parse_address
 from ..telemetry.events import Event, decode, encode
-from ..wire import FAILURE, decode_failure, label
+from ..wire import FAILURE, Reported, decode_failure, label
 
 ATTACH_ENV = "NBTRAIN_ATTACH"
 RUN_ID_ENV = "NBTRAIN_RUN_ID"  # the run's id for the listener (nbtrain.submit sets it)
@@ -55,23 +55,18 @@ class _Finished:
 
     crash = None
     teardown_cause = None
+    timed_out_ranks = ()
 
     def __init__(self, results: list[bytes]):
         self.done = threading.Event()
         self.done.set()
-        self.workers = {rank: _Outcome(data) for rank, data in enumerate(results)}
+        self.workers = {rank: Reported(data) for rank, data in enumerate(results)}
 
     def root_failure(self):
         return None
 
     def request_stop(self, reason: str) -> None:
         pass
-
-
-class _Outcome:
-    def __init__(self, result: bytes):
-        self.result = result
-        self.failure = None
 
 
 class _Tee:

@@ -28,6 +28,7 @@ class Entry:
 
 
 _REGISTRY: dict[str, Entry] = {}
+_CLASSES: dict[type[Strategy], None] = {}  # each registered strategy class once, in order
 
 
 def register(name: str, make: Callable[..., Strategy], description: str,
@@ -35,6 +36,9 @@ def register(name: str, make: Callable[..., Strategy], description: str,
     if name in _REGISTRY:
         raise ValueError(f"strategy {name!r} is registered already.")
     _REGISTRY[name] = Entry(name, make, description, alias)
+    cls = getattr(make, "cls", make)
+    if isinstance(cls, type) and issubclass(cls, Strategy):
+        _CLASSES[cls] = None
 
 
 def names(aliases: bool = True) -> list[str]:
@@ -99,12 +103,6 @@ def _variant(cls: type[Strategy], **fixed) -> Callable[..., Strategy]:
     return make
 
 
-def _classes() -> list[type[Strategy]]:
-    """Each registered strategy class once."""
-    found = dict.fromkeys(getattr(e.make, "cls", e.make) for e in _REGISTRY.values())
-    return [c for c in found if isinstance(c, type) and issubclass(c, Strategy)]
-
-
 @functools.cache
 def _hooks(cls: type[Strategy]) -> Strategy:
     return cls()
@@ -115,7 +113,7 @@ def owner_of(obj) -> Strategy:
     own object it is (DeepSpeed's engine and its optimizer), else torch's way, the base
     ``Strategy``'s hooks, which serve DDP, FSDP, ZeRO-1 and a plain model alike. For
     code that holds the object but not the run's strategy (checkpoints, telemetry)."""
-    for cls in _classes():
+    for cls in _CLASSES:
         if cls.owns(obj):
             return _hooks(cls)
     return _hooks(Strategy)
@@ -123,7 +121,7 @@ def owner_of(obj) -> Strategy:
 
 def release() -> None:
     """After a run in a warm worker: each strategy lets go of what it kept."""
-    for cls in _classes():
+    for cls in _CLASSES:
         _hooks(cls).release()
 
 

@@ -8,6 +8,7 @@ import copy
 import json
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -149,7 +150,9 @@ class DeepSpeed(Strategy):
         raise RuntimeError("DeepSpeed takes the model and its optimizer together: "
                            "ctx.setup(model, opt).")
 
-    def setup(self, module, optimizers, ctx, materialize=None):
+    def setup(self, module: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
+              ctx: Host, materialize: Callable[[nn.Module, torch.device], None] | None = None,
+              ) -> tuple[nn.Module, tuple]:
         """``(engine, (optimizer,))`` from ``deepspeed.initialize``; a model built on the
         meta device is materialised whole first, and DeepSpeed partitions it."""
         if len(optimizers) > 1:
