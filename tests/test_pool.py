@@ -17,6 +17,7 @@ from workloads import fail_on, sleeper, train
 
 import nbtrain
 from nbtrain.launch.pool import RankCellError
+from nbtrain.launch.pool_op import Quiet
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -119,6 +120,8 @@ def test_a_timeout_names_the_rank_stuck_in_a_collective_and_the_pool_restarts(po
     assert info.value.ranks == [0]
     assert time.monotonic() - t < 15
     assert "workers were ended" in str(info.value)
+    # seen asleep in the collective, not waited out for INTERRUPT_GRACE_S
+    assert "did not answer an interrupt and slept without CPU time" in str(info.value)
     assert pool.status.ended and not any(r["alive"] for r in pool.status)
     assert pool.run("rank") == {0: "0", 1: "1"}  # started again
     assert pool.started == 2
@@ -271,3 +274,44 @@ def test_an_interrupt_as_a_launch_goes_out_stops_the_run_and_the_pool_goes_on(po
     run = nbtrain.last_run()
     assert run.done and run.status == "stopped"
     assert pool.run("rank") == {0: "0", 1: "1"} and pool.started == 1
+
+
+def test_a_rank_is_quiet_while_it_sleeps_without_cpu_time():
+    """The stuck-rank test reads /proc/<pid>/stat: the main thread's state and the
+    process's CPU ticks (gloo's polling thread costs a tick now and then)."""
+    readings = {}
+    quiet = Quiet(read=lambda pid: readings.get(pid))
+    tick = Quiet.TICK_S
+    readings[1] = ("S", 100)
+    assert quiet.observe(1, 10.0) == 0.0  # the first look starts the clock
+    readings[1] = ("S", 101)
+    assert quiet.observe(1, 10.2) == pytest.approx(0.2)  # a poll's tick is allowed
+    readings[1] = ("R", 101)
+    assert quiet.observe(1, 10.3) == 0.0  # running: it may still answer
+    readings[1] = ("S", 101)
+    assert quiet.observe(1, 10.5) == pytest.approx(0.2)
+    readings[1] = ("S", 101 + int(0.2 / tick))  # asleep when looked at, but it worked
+    assert quiet.observe(1, 10.7) == 0.0
+    assert quiet.observe(2, 10.7) == 0.0  # no /proc entry (gone, or not Linux)
+
+
+def test_quiet_tells_a_sleeping_process_from_a_working_one():
+    import subprocess
+    import sys
+
+    asleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    working = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)  # both past their start
+        quiet, seen = Quiet(), {}
+        for _ in range(10):
+            now = time.monotonic()
+            seen = {p.pid: quiet.observe(p.pid, now) for p in (asleep, working)}
+            time.sleep(0.05)
+        if not os.path.exists(f"/proc/{asleep.pid}/stat"):
+            pytest.skip("no /proc here: the pool waits INTERRUPT_GRACE_S instead")
+        assert seen[asleep.pid] >= 0.4 and seen[working.pid] == 0.0, seen
+    finally:
+        for p in (asleep, working):
+            p.kill()
+            p.wait()

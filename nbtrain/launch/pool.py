@@ -32,7 +32,7 @@ from ..cells import busy_while_blocking
 from ..wire import decode_json, decode_result
 from . import start
 from .launcher import WorkerHandle, interrupts_deferred
-from .pool_op import INTERRUPT_GRACE_S, PoolOp, RankCellError, cell_error
+from .pool_op import INTERRUPT_GRACE_S, STUCK_S, PoolOp, RankCellError, cell_error
 from .supervisor import kill_group
 
 EXIT_GRACE_S = 2.0  # after "exit", how long before SIGKILL
@@ -228,7 +228,8 @@ class RankPool:
         what they send unasked, the start's READY; ``join``: they are starting their
         process group)."""
         handles = [self._handles[r] for r in ranks]
-        op = PoolOp(handles, emit or _writer(), deadline, self._kill_all, join)
+        op = PoolOp(handles, emit or _writer(), deadline, self._kill_all, join,
+                    watch_cpu=self.plan.accelerator == "cpu")
         if command is not None:
             for h in handles:
                 try:
@@ -253,9 +254,11 @@ class RankPool:
                                        if op.workers[r].failure else f"rank {r} died"
                                        for r in dead))
             if op.killed:
+                how = (f"and slept without CPU time for {STUCK_S:g}s" if op.stuck
+                       else f"within {INTERRUPT_GRACE_S:g}s")
                 parts.append(f"rank{'s' if len(op.killed) > 1 else ''} "
                              f"{', '.join(map(str, op.killed))} did not answer an interrupt "
-                             f"within {INTERRUPT_GRACE_S:g}s (stuck in a collective?)")
+                             f"{how} (stuck in a collective?)")
             self._teardown("; ".join(parts))
 
     def _settle(self, within: float = 5.0) -> None:

@@ -4,8 +4,12 @@ the error a failed cell raises (``RankCellError``).
 
 Teardown differs from a one-shot run's. A failure, a stop (an interrupt) or the
 deadline first sends SIGINT to the ranks still busy, again every ``RESEND_S``; only
-ranks that do not answer within ``INTERRUPT_GRACE_S`` (stuck in a collective, whose
-native wait holds off Python's signal handlers) get the whole pool ended.
+ranks that do not answer get the whole pool ended: a rank stuck in a collective sits in a
+native wait that holds off Python's signal handlers. On CPU ranks that is seen, not
+waited out: a busy rank that sleeps without using the CPU for ``STUCK_S`` after a failure
+is interrupted at once, and one that still does ``STUCK_S`` after the interrupt is stuck
+(a rank in Python code answers within milliseconds; a collective that moves data, or a
+long op, uses the CPU). Elsewhere, and where /proc is missing, ``INTERRUPT_GRACE_S``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ RESEND_S = 0.25  # SIGINT again to ranks that have not replied yet
 # After one rank failed, how long the others get to finish before they are interrupted
 # (those waiting for it in a collective never would).
 FAILED_RANK_GRACE_S = 1.0
+# A busy CPU rank asleep this long without CPU time is waiting in native code.
+STUCK_S = 0.3
 
 
 class RankCellError(WorkerError):
@@ -52,13 +58,17 @@ class PoolOp(Supervisor):
     """One command on some of the pool's ranks, watched until each of them replied.
 
     Teardown differs from a one-shot run's: a failure, a stop or the deadline first
-    interrupts the ranks still busy, and only ranks that do not answer within
-    ``INTERRUPT_GRACE_S`` get the whole pool ended (``kill_pool``)."""
+    interrupts the ranks still busy, and only ranks that do not answer (seen asleep
+    without CPU time on CPU ranks, ``watch_cpu``; else within ``INTERRUPT_GRACE_S``) get
+    the whole pool ended (``kill_pool``)."""
 
     def __init__(self, handles: list[WorkerHandle], emit, deadline: float | None,
-                 kill_pool: Callable[[], None], join: bool = False):
+                 kill_pool: Callable[[], None], join: bool = False, watch_cpu: bool = False):
         super().__init__(handles, emit, deadline, join)
         self._kill_pool = kill_pool
+        # CPU ranks only: a GPU rank can sleep in a long device sync and still answer.
+        self._quiet = Quiet() if watch_cpu else None
+        self.stuck = False  # the killed ranks were seen asleep, not only late
         self.interrupted_at: float | None = None
         self.interrupted: list[int] = []
         self._sigint_at = 0.0
@@ -94,24 +104,36 @@ class PoolOp(Supervisor):
         self._drain_output()
 
     def _advance(self, now: float) -> None:
+        asleep = self._asleep(now)
         if self.teardown_cause is None:
             if self._stop_requested:
                 self.teardown_cause, self.stop_reason = "stop", self._stop_requested
             elif self.deadline is not None and now >= self.deadline:
                 self.teardown_cause = "timeout"
                 self.timed_out_ranks = [w.handle.rank for w in self.pending()]
-            elif self.failures and now - self.failures[0].t >= FAILED_RANK_GRACE_S:
+            elif self.failures and (now - self.failures[0].t >= FAILED_RANK_GRACE_S
+                                    or asleep):
                 self.teardown_cause = "failure"
             if self.teardown_cause is not None:
                 self.interrupted_at = now
                 self.interrupted = [w.handle.rank for w in self.pending()]
                 self._interrupt(now)
         elif not self.killed and self.pending():
-            if now - self.interrupted_at >= INTERRUPT_GRACE_S:
+            waited = now - self.interrupted_at
+            if waited >= INTERRUPT_GRACE_S or (asleep and waited >= STUCK_S):
+                self.stuck = waited < INTERRUPT_GRACE_S
                 self.killed = [w.handle.rank for w in self.pending()]
                 self._kill_pool()
             elif now - self._sigint_at >= RESEND_S:
                 self._interrupt(now)
+
+    def _asleep(self, now: float) -> bool:
+        """Whether every busy rank has slept without CPU time for ``STUCK_S``; watched
+        only once a rank failed or a teardown began."""
+        if self._quiet is None or not (self.failures or self.teardown_cause):
+            return False
+        quiet = [self._quiet.observe(w.handle.pid, now) for w in self.pending()]
+        return bool(quiet) and min(quiet) >= STUCK_S
 
     def _interrupt(self, now: float) -> None:
         """SIGINT to the ranks still busy. Sent again every RESEND_S: a rank ignores it
@@ -154,6 +176,43 @@ class PoolOp(Supervisor):
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+class Quiet:
+    """How long each process has slept without CPU time, from ``/proc/<pid>/stat``: its
+    main thread's state, and the CPU ticks of all its threads. A process counts as quiet
+    while its main thread is asleep (``S``) and the whole process used under a tenth of
+    the time since it went quiet (torch's gloo thread polls a few times a second)."""
+
+    TICK_S = 1 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+    def __init__(self, read=None):
+        self._read = read or _stat
+        self._since: dict[int, tuple[float, int]] = {}  # pid -> (quiet since, ticks then)
+
+    def observe(self, pid: int, now: float) -> float:
+        """Seconds ``pid`` has been quiet (0.0 while it works, or without /proc)."""
+        got = self._read(pid)
+        if got is None:
+            self._since.pop(pid, None)
+            return 0.0
+        state, ticks = got
+        since = self._since.get(pid)
+        if since is not None and state == "S" and \
+                ticks - since[1] <= 1 + 0.1 * (now - since[0]) / self.TICK_S:
+            return now - since[0]
+        self._since[pid] = (now, ticks)
+        return 0.0
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(main thread's state, user + system CPU ticks of the process), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0].decode(), int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _readable(w: _Worker, stream: str) -> bool:
