@@ -226,20 +226,27 @@ def main() -> None:
     where = f"ACC = {args.accelerator!r}; DEVICES = {n}; FAIL_RANK = {n - 1}\n"
     codes = {name: where + code for name, code in contenders().items()}
     kernels = {name: Kernel(startup=textwrap.dedent(COMMON)) for name in codes}
-    hung: dict[str, str] = {}  # another library's launch that never returned: which one
+    # Another library's launch that never returned, or failed unasked (its ranks can abort
+    # at exit: gloo's teardown): what happened. Its row says so instead of numbers.
+    hung: dict[str, str] = {}
 
     def timed(name: str, fail: bool, kernel: Kernel | None = None) -> float | None:
         kernel = kernel or kernels[name]
         if name in hung:
             return None
+        which = "call->error" if fail else "call->step"
         try:
             return measure(kernel, fail, args.timeout)
         except TimeoutError:
             if name.startswith("nbtrain"):
                 raise  # ours must never hang
-            hung[name] = "call->error" if fail else "call->step"
-            kernel.shutdown()  # the kernel's process group: its ranks too
-            return None
+            hung[name] = f"hung: a {which} launch gave no reply in {args.timeout:.0f} s"
+        except RuntimeError as err:
+            if name.startswith("nbtrain"):
+                raise  # nor fail
+            hung[name] = f"failed: a {which} launch raised {str(err).splitlines()[0][:120]}"
+        kernel.shutdown()  # the kernel's process group: its ranks too
+        return None
 
     def fresh(name: str, kernel: Kernel) -> None:
         """The import and the first launch in a new kernel, its code defined between."""
@@ -299,8 +306,7 @@ def main() -> None:
 
     for name in codes:
         if name in hung:
-            print(f"{name:29s} hung: a {hung[name]} launch gave no reply in {args.timeout:.0f} s "
-                  "(its kernel and ranks killed; no numbers)")
+            print(f"{name:29s} {hung[name]} (its kernel and ranks ended; no numbers)")
             continue
         row = f"{name:29s} {statistics.median(imported[name]):6.3f}s " \
               f"{statistics.median(first[name]):6.3f}s"
