@@ -104,7 +104,6 @@ class PoolOp(Supervisor):
         self._drain_output()
 
     def _advance(self, now: float) -> None:
-        asleep = self._asleep(now)
         if self.teardown_cause is None:
             if self._stop_requested:
                 self.teardown_cause, self.stop_reason = "stop", self._stop_requested
@@ -112,7 +111,7 @@ class PoolOp(Supervisor):
                 self.teardown_cause = "timeout"
                 self.timed_out_ranks = [w.handle.rank for w in self.pending()]
             elif self.failures and (now - self.failures[0].t >= FAILED_RANK_GRACE_S
-                                    or asleep):
+                                    or self._asleep(now)):
                 self.teardown_cause = "failure"
             if self.teardown_cause is not None:
                 self.interrupted_at = now
@@ -120,7 +119,7 @@ class PoolOp(Supervisor):
                 self._interrupt(now)
         elif not self.killed and self.pending():
             waited = now - self.interrupted_at
-            if waited >= INTERRUPT_GRACE_S or (asleep and waited >= STUCK_S):
+            if waited >= INTERRUPT_GRACE_S or (self._asleep(now) and waited >= STUCK_S):
                 self.stuck = waited < INTERRUPT_GRACE_S
                 self.killed = [w.handle.rank for w in self.pending()]
                 self._kill_pool()
@@ -128,9 +127,10 @@ class PoolOp(Supervisor):
                 self._interrupt(now)
 
     def _asleep(self, now: float) -> bool:
-        """Whether every busy rank has slept without CPU time for ``STUCK_S``; watched
-        only once a rank failed or a teardown began."""
-        if self._quiet is None or not (self.failures or self.teardown_cause):
+        """Whether every busy rank has slept without CPU time for ``STUCK_S``. Asked on
+        every pass once a rank failed or a teardown began, and only then: the watch
+        costs a /proc read per busy rank."""
+        if self._quiet is None:
             return False
         quiet = [self._quiet.observe(w.handle.pid, now) for w in self.pending()]
         return bool(quiet) and min(quiet) >= STUCK_S
