@@ -9,7 +9,7 @@
 from . import checkpoint, strategies
 from .context import Context
 from .errors import RunStoppedError, RunTimeoutError, WorkerError, remember_cell_names
-from .launch import launch
+from .launch import culprit, launch
 from .launch.pool import RankPool
 from .run import Run, last_run
 from .scaleout.listen import listen
@@ -23,6 +23,7 @@ __all__ = ["Context", "RankPool", "Run", "RunStoppedError", "RunTimeoutError",
 __version__ = "0.1.0"
 
 remember_cell_names()  # in an IPython 7 kernel, tracebacks name cells as IPython 8's do
+culprit.install()  # from now on, whatever touches CUDA is named if fork becomes unsafe
 
 
 

@@ -128,7 +128,7 @@ def cell_names(text: str) -> str:
     them (``Cell In[5], line 8`` instead of ``File "/tmp/ipykernel_1/1671.py", line 8``),
     and each frame's source line filled in from the kernel where the worker had none
     (a spawned worker never saw the cells' source). Outside IPython: ``text`` as it is."""
-    cells = _filename_map()
+    cells = filename_map()
     lines = text.splitlines()
     out = []
     for i, line in enumerate(lines):
@@ -148,7 +148,20 @@ def cell_names(text: str) -> str:
     return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
 
-def _filename_map() -> dict[str, int]:
+def cell_label(filename: str, cells: dict[str, int] | None = None) -> str | None:
+    """``"Cell In[5]"`` for a file IPython compiled a cell to (``cells``: the map
+    ``filename_map()`` gives, read once by a caller that asks about many files)."""
+    number = (filename_map() if cells is None else cells).get(filename)
+    if number is None:
+        found = _IPYTHON7_CELL.match(filename)  # an IPython 7 name carries its number
+        number = found and int(found.group(1))
+    return None if number is None else f"Cell In[{number}]"
+
+
+_IPYTHON7_CELL = re.compile(r"<ipython-input-(\d+)-")
+
+
+def filename_map() -> dict[str, int]:
     """IPython's ``{cell file name: execution count}``; empty outside IPython."""
     if "IPython" not in sys.modules:
         return {}

@@ -32,6 +32,7 @@ from typing import Literal
 
 import torch
 
+from . import culprit
 from .devices import cuda_device_count
 
 StartMethod = Literal["fork", "forkserver", "spawn"]
@@ -40,7 +41,7 @@ START_METHODS = ("auto", "fork", "forkserver", "spawn")
 
 def torch_cuda_initialized() -> str | None:
     if torch.cuda.is_initialized():
-        return "torch has initialised CUDA in this kernel (a tensor was put on a GPU)"
+        return f"torch has initialised CUDA in this kernel ({culprit.torch_culprit()})"
     return None
 
 
@@ -56,13 +57,14 @@ def libcuda_loaded(maps: str = "/proc/self/maps") -> bool:
 def cuda_probe() -> str | None:
     """Runs in the forked canary: can this child use CUDA as a worker would?"""
     if torch.cuda._is_in_bad_fork():
-        return ("CUDA was queried through torch in this kernel (torch.cuda.is_available() "
-                "or another torch.cuda call), and forked children cannot use CUDA after that")
+        return (f"CUDA was queried through torch in this kernel ({culprit.torch_culprit()}), "
+                "and forked children cannot use CUDA after that")
     if libcuda_loaded():
         code = ctypes.CDLL("libcuda.so.1").cuInit(0)
         if code != 0:
             return ("the CUDA driver was initialised in this kernel by a library other than "
-                    f"torch (cuInit in a forked child returned error {code})")
+                    f"torch {culprit.driver_culprit()} (cuInit in a forked child returned "
+                    f"error {code})")
     return None
 
 
