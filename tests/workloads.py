@@ -94,6 +94,11 @@ def train_single(lr=1e-2, batch_size=16, world_size=2, epochs=1, precision=None,
     return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
+def on_device(ctx):
+    """Something on the rank's device: 3.0 when it worked."""
+    return torch.ones(3, device=ctx.device).sum().item()
+
+
 def fail_on(ctx, mode, rank=1, after=0.0):
     """Every rank joins a collective, then ``rank`` fails in the way ``mode`` says."""
     t = torch.ones(1)
@@ -512,3 +517,15 @@ def torchrun_style_cuda():
     out = (dist.get_rank(), dist.get_world_size(), str(next(model.parameters()).device))
     destroy_process_group()
     return out
+
+
+def grad_storages(ctx):
+    """After one backward of ``ctx.setup``'s model: how many parameters have a gradient,
+    and in how many separate storages the gradients live."""
+    torch.manual_seed(0)
+    model = Net()
+    model, _ = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = next(iter(ctx.dataloader(dataset(), batch_size=16)))
+    ctx.backward(nn.functional.cross_entropy(model(x), y))
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return len(grads), len({g.untyped_storage().data_ptr() for g in grads})

@@ -17,6 +17,10 @@ class DDP(Strategy):
     find_unused_parameters: bool = False
     static_graph: bool = False
     bucket_cap_mb: float | None = None
+    # The gradients are views into DDP's all-reduce buckets instead of a second copy
+    # beside them: one gradient-sized buffer less from backward to the optimizer step
+    # (torch's DDP keeps both by default). False gives torch's default back.
+    gradient_as_bucket_view: bool = True
 
     description: ClassVar[str] = (
         "DistributedDataParallel: every rank holds the full model, gradients and optimizer "
@@ -35,6 +39,7 @@ class DDP(Strategy):
             device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
             **kwargs,
         )
         if not self.find_unused_parameters:

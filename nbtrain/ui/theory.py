@@ -20,8 +20,9 @@ parameters in the root unit, and gathers whole parameters for a while during eac
 nbtrain's ``fsdp_grad_op`` (FSDP2 with ``reshard_after_forward=False``) stores its
 parameters sharded between steps and keeps the gathered copy only from forward to
 backward, so the bytes measured after the optimizer step are 4Ψ/N, the ZeRO-2 row is the
-in-step figure. DDP also keeps gradient buckets (about the size of the gradients) that
-are not counted here.
+in-step figure. nbtrain's DDP keeps its gradients as views into the all-reduce buckets
+(``gradient_as_bucket_view``), so the buckets are the 4Ψ of gradients; torch's default
+DDP keeps the buckets beside the gradients, another 4Ψ from backward to the step.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ FOOTNOTE = (
     "step from the tensors themselves. They differ because FSDP pads shards to a multiple "
     "of N and keeps the root's own parameters in one unit; fsdp_grad_op stores params "
     "sharded between steps and holds the whole copy only from forward to backward (the "
-    "theory bar is that in-step figure); DDP's gradient buckets and activations are not "
+    "theory bar is that in-step figure); nbtrain's DDP keeps its gradients as views into "
+    "its all-reduce buckets (torch's default DDP keeps both, 4Ψ more); activations are not "
     "model state; fsdp_offload keeps the sharded state in CPU memory; DeepSpeed keeps an "
     "fp32 master partition (4Ψ/N, with the optimizer) and frees whole gradients once "
     "reduced, so its grads are the partition it steps on.")
