@@ -9,9 +9,11 @@ launcher alike. Ratios are to Lightning's
 ``Trainer(strategy="ddp_notebook")``, the usual way to train from a notebook.
 
   nbtrain (default)         start_method="auto" in a fresh kernel: fork
-  nbtrain after CUDA        the default once a cell has touched CUDA (simulated on CPU
-                            with a fork check that says so, as the tests do): fork server
-  nbtrain spawn             start_method="spawn": a new interpreter per rank
+  nbtrain after CUDA        the default once a cell has put a tensor on a GPU (on CPU,
+                            simulated with a fork check that says so, as the tests do):
+                            fork server
+  nbtrain spawn             start_method="spawn": a new interpreter per rank (on CPU
+                            only: on a GPU, benchmarks/spawn_breakdown.py takes it apart)
   nbtrain pool              a RankPool made at the first launch, then pool.launch
 
   import:         the library's own import (torch is imported already)
@@ -23,10 +25,11 @@ launcher alike. Ratios are to Lightning's
   call -> error:  later launches, until the call raises, the last rank having raised at once
 
 Every figure is the median of ``--repeats`` runs with, in brackets, the lowest and the
-highest.
+highest (import + first launch: of ``--fresh`` new kernels; on a GPU one, to stay within
+two minutes). Each launch is printed as it ends.
 
     python benchmarks/launch.py [--repeats 5]
-    python benchmarks/launch.py --accelerator cuda     # on a GPU machine
+    python benchmarks/launch.py --accelerator cuda     # on a GPU machine (~2 min)
 
 Lightning and accelerate come with the dev extras (each is skipped when it is missing).
 """
@@ -106,11 +109,15 @@ def measure(fail):
 """
 
 # After a cell touched CUDA, fork is unsafe and the default starts ranks from the fork
-# server. On a CPU machine the guard is told so, the way the tests simulate it.
-CUDA_TOUCHED = """
+# server. On a GPU a cell puts a tensor there; on a CPU machine the guard is told so, the
+# way the tests simulate it.
+CUDA_TOUCHED = {
+    "cuda": "torch.zeros(1, device='cuda')\n",
+    "cpu": """
 from nbtrain.launch import guards
 guards.FORK_CHECKS.append(lambda: "CUDA was initialised in this kernel (simulated)")
-"""
+""",
+}
 
 LIGHTNING = """
 
@@ -185,11 +192,13 @@ def _available(module: str) -> bool:
         return False
 
 
-def contenders() -> dict[str, str]:
+def contenders(accelerator: str) -> dict[str, str]:
     found = {"nbtrain (default)": "METHOD = 'auto'\n" + NBTRAIN,
-             "nbtrain after CUDA": "METHOD = 'auto'\n" + CUDA_TOUCHED + NBTRAIN,
+             "nbtrain after CUDA": "METHOD = 'auto'\n" + CUDA_TOUCHED[accelerator] + NBTRAIN,
              "nbtrain spawn": "METHOD = 'spawn'\n" + NBTRAIN,
              "nbtrain pool": "METHOD = 'pool'; POOL = None\n" + NBTRAIN}
+    if accelerator == "cuda":
+        del found["nbtrain spawn"]
     if _available("lightning"):
         found[BASE] = LIGHTNING
     if _available("accelerate"):
@@ -213,18 +222,27 @@ def measure(kernel: Kernel, fail: bool, timeout: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="later launches per launcher (default: 5 on CPU, 3 on a GPU)")
+    parser.add_argument("--fresh", type=int, default=None,
+                        help="new kernels for import + first launch (default: --repeats "
+                             "on CPU, 1 on a GPU)")
     parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--devices", type=int, default=None,
                         help="ranks (default: 2 on CPU, up to 2 GPUs on cuda)")
-    parser.add_argument("--timeout", type=float, default=120,
-                        help="seconds a launch may take before it counts as hung")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds a launch may take before it counts as hung "
+                             "(default: 120 on CPU, 30 on a GPU)")
     args = parser.parse_args()
+    cuda = args.accelerator == "cuda"
+    args.repeats = args.repeats or (3 if cuda else 5)
+    args.fresh = args.fresh or (1 if cuda else args.repeats)
+    args.timeout = args.timeout or (30 if cuda else 120)
     if args.accelerator == "cuda" and not torch.cuda.device_count():  # NVML: no CUDA init
         parser.error("--accelerator cuda: this machine shows no GPU")
     n = args.devices or (2 if args.accelerator == "cpu" else min(2, torch.cuda.device_count()))
     where = f"ACC = {args.accelerator!r}; DEVICES = {n}; FAIL_RANK = {n - 1}\n"
-    codes = {name: where + code for name, code in contenders().items()}
+    codes = {name: where + code for name, code in contenders(args.accelerator).items()}
     kernels = {name: Kernel(startup=textwrap.dedent(COMMON)) for name in codes}
     # Another library's launch that never returned, or failed unasked (its ranks can abort
     # at exit: gloo's teardown): what happened. Its row says so instead of numbers.
@@ -236,7 +254,9 @@ def main() -> None:
             return None
         which = "call->error" if fail else "call->step"
         try:
-            return measure(kernel, fail, args.timeout)
+            seconds = measure(kernel, fail, args.timeout)
+            print(f"  {name}: {which} {seconds:.3f}s", file=sys.stderr, flush=True)
+            return seconds
         except TimeoutError:
             if name.startswith("nbtrain"):
                 raise  # ours must never hang
@@ -258,6 +278,8 @@ def main() -> None:
         seconds = timed(name, False, kernel)
         if seconds is not None:
             first[name].append(seconds)
+            print(f"  {name}: import {imported[name][-1]:.3f}s, first launch {seconds:.3f}s",
+                  file=sys.stderr, flush=True)
 
     imported = {name: [] for name in codes}
     first = {name: [] for name in codes}
@@ -276,7 +298,7 @@ def main() -> None:
             if name not in hung:
                 kernel.shutdown()
     # More fresh kernels, one at a time, for the median of import + first launch.
-    for _ in range(args.repeats - 1):
+    for _ in range(args.fresh - 1):
         for name in codes:
             if name in hung:
                 continue
@@ -295,8 +317,8 @@ def main() -> None:
              f"{n} x {torch.cuda.get_device_name(0)} (NCCL)")
     print(f"\nIn a Jupyter kernel each: {ranks}, 0.92M-parameter MLP + AdamW, "
           f"defaults on; {os.cpu_count()} cores, torch {torch.__version__}; "
-          f"median [lowest-highest] of {args.repeats} (import + first launch: each in a "
-          f"new kernel); ratios of medians to {base}")
+          f"median [lowest-highest] of {args.repeats} (import + first launch: of "
+          f"{args.fresh}, each in a new kernel); ratios of medians to {base}")
     print(f"{'launcher':29s} {'import':>7s} {'first':>7s} {'import + first launch':>22s} "
           f"{'ratio':>5s} {'call->step':>22s} {'ratio':>5s} {'call->error':>22s} {'ratio':>5s}")
 
