@@ -28,6 +28,18 @@ def _ranks() -> int:
     return min(2, cuda_device_count())
 
 
+def _call(ctx, fn, args, kwargs):
+    return fn(*args, **kwargs)
+
+
+def on_the_cpu(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (one-process training on the CPU) in a forked CPU worker:
+    in this process its first backward would count the GPUs (torch's autograd engine),
+    initialising the driver, and every later launch would lose its fork."""
+    return nbtrain.launch(_call, fn, args, kwargs, devices=1, accelerator="cpu",
+                          dashboard=False, telemetry=False).result
+
+
 def _single(precision=None) -> dict:
     """The same training in one process, on a GPU, in a forked worker."""
     run = nbtrain.launch(single_in_worker, precision, _ranks(), devices=1,
@@ -242,15 +254,19 @@ def launched():
     return run.start_method, run.results[0], [str(w.message) for w in caught]
 """
 
-# What users do in cells before a launch: try a Hugging Face model and a training step on
-# the CPU (transformers asks whether a CUDA graph is being captured in every forward,
-# the optimizer in every step: both initialised the driver behind torch's back).
+# What users do in cells before a launch: build a Hugging Face model from a config and try
+# it on the CPU (transformers asks whether a CUDA graph is being captured in every
+# forward, which initialised the driver behind torch's back), then take a training step
+# (torch's autograd engine counts the GPUs at the first backward).
 TRY_ON_CPU = """
 import transformers
 config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=128, n_positions=32)
 hf = transformers.GPT2LMHeadModel(config)
 ids = torch.randint(0, 128, (2, 16))
-hf(input_ids=ids, labels=ids).loss.backward()
+loss = hf(input_ids=ids, labels=ids).loss
+"""
+STEP_ON_CPU = """
+loss.backward()
 torch.optim.AdamW(hf.parameters()).step()
 """
 
@@ -258,9 +274,10 @@ torch.optim.AdamW(hf.parameters()).step()
 def test_a_fresh_kernel_forks_starts_warm_and_names_what_made_it_stop():
     """What a user sees on a GPU machine: a fresh kernel's launches fork and later ones
     import next to nothing in the workers; ``torch.cuda.is_available()`` and a transformers
-    model trained a step on the CPU leave fork safe; a tensor put on the GPU in a cell
-    makes the next launch start from the fork server, and the warning names that cell,
-    line and code."""
+    model built and run forward on the CPU leave fork safe; a training step on the CPU
+    leaves it safe, or the warning names its cell; a tensor put on the GPU in a cell makes
+    the next launch start from the fork server, and the warning names that cell, line and
+    code."""
     pytest.importorskip("transformers")
     kernel = Kernel(startup=f"import nbtrain, torch; N = {_ranks()}")
     try:
@@ -277,6 +294,11 @@ def test_a_fresh_kernel_forks_starts_warm_and_names_what_made_it_stop():
         for _ in range(2):
             method, _, warned = kernel.value("launched()")
             assert method == "fork" and not warned, (method, warned)
+        number = kernel.value("get_ipython().execution_count")
+        assert kernel.run(STEP_ON_CPU).error is None
+        method, _, warned = kernel.value("launched()")
+        assert method == "fork" and not warned or any(
+            f"during Cell In[{number}]" in w for w in warned), (method, warned)
         number = kernel.value("get_ipython().execution_count")
         assert kernel.run("x = 1\ny = torch.ones(2, device='cuda')").error is None
         method, _, warned = kernel.value("launched()")
@@ -310,7 +332,7 @@ def test_models_users_bring_train_on_cuda(kind, strategy, precision):
         run = nbtrain.launch(fit, kind, devices=n, accelerator="cuda", strategy=strategy,
                              mixed_precision=precision, dashboard=False)
     assert run.start_method == "fork", [str(w.message) for w in caught]
-    ref = reference(kind, world_size=n)
+    ref = on_the_cpu(reference, kind, world_size=n)
     tight = precision is None
     for rank in range(n):
         expected = [per_rank[rank] for per_rank in ref["losses"]]
@@ -328,7 +350,7 @@ def test_fsdp_offload_trains_a_transformers_model():
     n = _ranks()
     run = nbtrain.launch(fit, "gpt2", devices=n, accelerator="cuda", strategy="fsdp_offload",
                          dashboard=False, telemetry=nbtrain.Telemetry(memory_every=1))
-    ref = reference("gpt2", world_size=n)
+    ref = on_the_cpu(reference, "gpt2", world_size=n)
     assert run.result["losses"] == pytest.approx([r[0] for r in ref["losses"]], rel=1e-3)
     mem = run.history.events("memory", 0)[-1].values
     assert mem["params"] == 0 and mem["params_host"] > 0, mem
@@ -340,7 +362,7 @@ def test_sync_batchnorm_normalises_with_the_whole_batch():
     the whole batch trains (plain BatchNorm would normalise each half on its own)."""
     run = nbtrain.launch(fit, "cnn", devices=2, accelerator="cuda", strategy="ddp",
                          sync_batchnorm=True, dashboard=False)
-    ref = reference("cnn", world_size=2, split=False)
+    ref = on_the_cpu(reference, "cnn", world_size=2, split=False)
     for name, value in ref["full"].items():
         torch.testing.assert_close(run.result["full"][name], value, rtol=1e-3, atol=1e-4,
                                    msg=name)
@@ -378,7 +400,7 @@ def test_deepspeed_trains_on_cuda_as_one_process(strategy):
         run = nbtrain.launch(fit, "gpt2", devices=n, accelerator="cuda", strategy=strategy,
                              dashboard=False)
     assert run.start_method == "fork" and run.note is None, [str(w.message) for w in caught]
-    ref = reference("gpt2", world_size=n)
+    ref = on_the_cpu(reference, "gpt2", world_size=n)
     for rank in range(n):
         expected = [per_rank[rank] for per_rank in ref["losses"]]
         assert run.results[rank]["losses"] == pytest.approx(expected, rel=1e-3)
@@ -391,7 +413,7 @@ def test_deepspeed_accumulates_clips_and_checkpoints_on_cuda(tmp_path):
     from workloads import ckpt_train, technique_single, technique_train
 
     n = _ranks()
-    want = technique_single(clip=0.05, world_size=n)
+    want = on_the_cpu(technique_single, clip=0.05, world_size=n)
     run = nbtrain.launch(technique_train, devices=n, accelerator="cuda",
                          strategy="deepspeed_stage_3", accumulate=2, clip=0.05,
                          dashboard=False)

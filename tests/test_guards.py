@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import descendants
 
-from nbtrain.launch import devices, guards
+from nbtrain.launch import culprit, devices, guards
 from nbtrain.launch.devices import parse_devices
 
 
@@ -152,3 +152,37 @@ def test_libcuda_is_found_in_the_process_maps(tmp_path):
     maps.write_text(maps.read_text() + "7f02-7f03 r-xp 0 08:01 2 /usr/lib/libcuda.so.580.1\n")
     assert guards.libcuda_loaded(str(maps))
     assert not guards.libcuda_loaded(str(tmp_path / "missing"))
+
+
+def test_cpu_ranks_fork_unless_a_forked_child_cannot_run_backward(gpu_machine, monkeypatch):
+    """torch's autograd engine counts the GPUs at the kernel's first backward (which
+    initialises the driver) and marks later forks unable to run backward at all: CPU ranks
+    then start from the fork server too. The canary is forked only once the driver is
+    initialised in the kernel; here a fake stands in for the backward it runs."""
+    asked = []
+
+    def backward_probe():
+        asked.append(1)
+        return "a forked child cannot run backward (simulated)" if _poisoned["child"] else None
+
+    monkeypatch.setattr(guards, "BACKWARD_PROBE", backward_probe)
+    monkeypatch.setattr(culprit, "DRIVER_STATE", lambda: False)
+    _poisoned["parent"] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert guards.choose_start_method("auto", "cpu") == "fork"
+    assert asked == []  # no driver, no GPU threads, no canary
+    monkeypatch.setattr(culprit, "DRIVER_STATE", lambda: True)
+    with pytest.warns(RuntimeWarning, match="cannot run backward"):
+        assert guards.choose_start_method("auto", "cpu") == "forkserver"
+    _poisoned["parent"] = False
+    assert guards.choose_start_method("auto", "cpu") == "fork"
+
+
+def test_the_real_backward_probe_runs_a_backward_in_a_fresh_process():
+    code = ("from nbtrain.launch import guards\n"
+            "print(guards.autograd_probe(), guards.forked_child_reason(guards.autograd_probe))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["None", "None"]

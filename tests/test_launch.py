@@ -232,7 +232,7 @@ def test_cell_files_are_named_as_ipython_names_them(monkeypatch):
 
     from nbtrain import errors
 
-    monkeypatch.setattr(errors, "_filename_map", lambda: {"/tmp/ipykernel_1/42.py": 7})
+    monkeypatch.setattr(errors, "filename_map", lambda: {"/tmp/ipykernel_1/42.py": 7})
     linecache.cache["/tmp/ipykernel_1/42.py"] = (20, None, ["x = 1\n", "    1 // 0\n"],
                                                  "/tmp/ipykernel_1/42.py")
     try:

@@ -4,7 +4,6 @@ from torch import nn
 from workloads import grad_storages
 
 import nbtrain
-
 from nbtrain import strategies
 from nbtrain.launch.devices import DevicePlan
 from nbtrain.strategies import DDP, FSDP

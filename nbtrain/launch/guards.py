@@ -9,13 +9,18 @@ What the parent's own state says is not enough on a real GPU machine:
   stays False;
 - counting GPUs through NVML (``torch.cuda.device_count()``) opens ``/dev/nvidia-uvm`` on
   some drivers, yet a child forked after it uses CUDA fine;
-- another library (CuPy, JAX, Numba) can initialise the driver behind torch's back.
+- another library (CuPy, JAX, Numba) can initialise the driver behind torch's back, and
+  so can torch's own C++: its autograd engine counts the GPUs at the first backward, even
+  of a model on the CPU, and from then on a forked child cannot run backward at all
+  ("Unable to handle autograd's threading in combination with fork-based
+  multiprocessing"), on the CPU either.
 
 So the check asks a forked child — the canary — what a worker would find: whether torch
 sees a bad fork, and, when the CUDA driver library is loaded in the kernel, whether
 ``cuInit`` works there. A fork of the kernel costs milliseconds; it runs only when this
-torch has CUDA, and only for runs whose ranks use CUDA: ranks on the CPU fork whatever
-the kernel did with CUDA.
+torch has CUDA, and for runs whose ranks use CUDA; for ranks on the CPU only when the
+driver is initialised in the kernel (the autograd engine's GPU threads come after that),
+and then the canary runs one backward. ``culprit.py`` says what did it.
 """
 
 from __future__ import annotations
@@ -62,9 +67,24 @@ def cuda_probe() -> str | None:
     if libcuda_loaded():
         code = ctypes.CDLL("libcuda.so.1").cuInit(0)
         if code != 0:
-            return ("the CUDA driver was initialised in this kernel by a library other than "
-                    f"torch {culprit.driver_culprit()} (cuInit in a forked child returned "
-                    f"error {code})")
+            return ("the CUDA driver was initialised in this kernel without torch.cuda "
+                    f"knowing, {culprit.driver_culprit()} (torch's autograd engine does so at "
+                    "the first backward on a machine with GPUs, as do CuPy, JAX and Numba; "
+                    f"cuInit in a forked child returned error {code})")
+    return autograd_probe()
+
+
+def autograd_probe() -> str | None:
+    """Runs in the forked canary: can this child run a backward pass?"""
+    x = torch.ones(2, requires_grad=True)
+    try:
+        (x * 2).sum().backward()
+    except RuntimeError as err:
+        if "fork" not in str(err):
+            raise
+        return ("torch's autograd engine started its GPU threads in this kernel (the first "
+                f"backward on a machine with GPUs does, {culprit.driver_culprit()}), and a "
+                "forked child cannot run backward after that")
     return None
 
 
@@ -118,14 +138,24 @@ def forked_child_cannot_use_cuda() -> str | None:
     return forked_child_reason(CHILD_PROBE, hung="a forked child hung trying to use CUDA")
 
 
-# The probe the canary runs; tests put a fake here.
+def forked_child_cannot_run_backward() -> str | None:
+    """For ranks on the CPU: only once the driver is initialised in the kernel can the
+    autograd engine have started its GPU threads, so only then is a canary forked."""
+    if not torch.backends.cuda.is_built() or not culprit.DRIVER_STATE():
+        return None
+    return forked_child_reason(BACKWARD_PROBE, hung="a forked child hung in a backward pass")
+
+
+# The probes the canary runs; tests put fakes here.
 CHILD_PROBE: Callable[[], str | None] = cuda_probe
+BACKWARD_PROBE: Callable[[], str | None] = autograd_probe
 
 # Named checks, each returning why forking is unsafe, or None; the cheap one first.
-# CUDA_CHECKS apply to runs on CUDA; FORK_CHECKS to every run (tests and notebook 04 put
-# simulated reasons there).
+# CUDA_CHECKS apply to runs on CUDA (their canary runs a backward too), CPU_CHECKS to runs
+# on the CPU; FORK_CHECKS to every run (tests and notebook 04 put simulated reasons there).
 CUDA_CHECKS: list[Callable[[], str | None]] = [torch_cuda_initialized,
                                                forked_child_cannot_use_cuda]
+CPU_CHECKS: list[Callable[[], str | None]] = [forked_child_cannot_run_backward]
 FORK_CHECKS: list[Callable[[], str | None]] = []
 
 
@@ -133,7 +163,7 @@ def fork_unsafe_reason(accelerator: str = "cuda") -> str | None:
     """Why forking workers for ``accelerator`` ranks is unsafe here, or None."""
     if sys.platform != "linux":
         return f"fork is not reliable on {sys.platform}"
-    for check in [*FORK_CHECKS, *(CUDA_CHECKS if accelerator == "cuda" else ())]:
+    for check in [*FORK_CHECKS, *(CUDA_CHECKS if accelerator == "cuda" else CPU_CHECKS)]:
         reason = check()
         if reason:
             return reason
