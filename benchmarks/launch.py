@@ -341,6 +341,9 @@ def main() -> None:
         print(f"after CUDA, warm call->step: {after:.2f}x the fork path")
     if "nbtrain pool" in codes:
         print("(the pool's first launch includes starting the pool)")
+    if n == 1 and "accelerate notebook_launcher" in codes:
+        print("(accelerate's notebook_launcher runs a one-process launch in the kernel itself: "
+              "no process starts, so its later launches cost next to nothing)")
     missing = [n for n in ("lightning", "accelerate") if not _available(n)]
     if missing:
         print(f"(not installed, skipped: {', '.join(missing)}; pip install -e \".[dev]\")")

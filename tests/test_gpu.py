@@ -151,20 +151,25 @@ def test_fork_after_cuda_init_falls_back_to_the_fork_server_or_refuses():
 
 
 def test_driver_initialised_behind_torch_is_seen():
+    """A library that initialises the driver itself (ctypes here, as CuPy or JAX would),
+    before nbtrain's import: torch does not know, the canary does, and the reason says
+    when."""
     done = _python("""
-        import ctypes, torch
-        from nbtrain.launch import guards
+        import ctypes
         cuda = ctypes.CDLL("libcuda.so.1")
         assert cuda.cuInit(0) == 0
         ctx = ctypes.c_void_p()
         assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+        import torch
+        from nbtrain.launch import guards
         print("torch knows:", torch.cuda.is_initialized())
         print("reason:", guards.fork_unsafe_reason())
     """)
     assert done.returncode == 0, done.stderr
     assert "torch knows: False" in done.stdout
-    assert "reason: the CUDA driver was initialised in this kernel by a library other than " \
-           "torch" in done.stdout or "reason: a forked child hung" in done.stdout, done.stdout
+    assert "reason: the CUDA driver was initialised in this kernel without torch.cuda " \
+           "knowing, before nbtrain was imported" in done.stdout \
+        or "reason: a forked child hung" in done.stdout, done.stdout
 
 
 def test_is_available_keeps_fork_after_importing_nbtrain_and_names_itself_if_not():
@@ -251,7 +256,10 @@ def launched():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run = nbtrain.launch(first_step, devices=N, accelerator="cuda")
-    return run.start_method, run.results[0], [str(w.message) for w in caught]
+    # the fork server's warnings (after torch ran on the CPU in the kernel, forked workers
+    # are also told they get one OpenMP thread)
+    return run.start_method, run.results[0], [str(w.message) for w in caught
+                                              if "fork server" in str(w.message)]
 """
 
 # What users do in cells before a launch: build a Hugging Face model from a config and try
