@@ -7,7 +7,11 @@ that saves a checkpoint with ``ctx.save`` and loads it back (sharded and full), 
 checkpoint read in this process, a plotly figure drawn from a tensor, and the dashboard's
 figure built from a finished run. ``tests/test_fresh_env.py`` runs it in the suite too.
 
-    python tests/fresh_env.py [--runtime-only]
+``--installed`` is for an install from the built wheel (CI's main and hosted-stack legs):
+nbtrain must come from site-packages, not a checkout, and from there the demo runs and a
+real Jupyter kernel (jupyter_client, which ipykernel brings) launches two ranks.
+
+    python tests/fresh_env.py [--runtime-only] [--installed]
 """
 
 from __future__ import annotations
@@ -79,6 +83,56 @@ def check_figures(run) -> None:
     print("figures: a tensor bar chart and the dashboard figure of a finished run")
 
 
+KERNEL_CELL = """
+import nbtrain, torch
+from torch import nn
+
+def train(ctx):
+    torch.manual_seed(0)
+    model, opt = ctx.setup(nn.Linear(4, 2), torch.optim.SGD(nn.Linear(4, 2).parameters(), 0.1))
+    loss = model(torch.ones(8, 4, device=ctx.device)).pow(2).mean()
+    ctx.backward(loss)
+    ctx.log(loss=loss)
+    return ctx.rank
+
+run = nbtrain.launch(train, devices=2, accelerator="cpu")
+print("ranks", run.results, "from", nbtrain.__file__)
+"""
+
+
+def check_installed(tmp: str) -> None:
+    """The wheel's nbtrain, away from any checkout: its demo and a launch in a kernel."""
+    import os
+    import subprocess
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.abspath(nbtrain.__file__).startswith(here + os.sep):
+        raise SystemExit(f"--installed, but nbtrain comes from the checkout: {nbtrain.__file__}")
+    report = os.path.join(tmp, "report.html")
+    subprocess.run([sys.executable, "-m", "nbtrain", "demo", "--steps", "10", "--output",
+                    report], cwd=tmp, check=True, timeout=600)
+    if not os.path.getsize(report):
+        raise SystemExit("the demo wrote an empty report")
+    from jupyter_client.manager import start_new_kernel
+
+    manager, client = start_new_kernel(kernel_name="python3", cwd=tmp)
+    try:
+        out = []
+        reply = client.execute_interactive(
+            KERNEL_CELL, timeout=300,
+            output_hook=lambda msg: out.append(msg["content"].get("text", "")))
+        text = "".join(out)
+        if reply["content"]["status"] != "ok" or "ranks [0, 1] from" not in text:
+            raise SystemExit(f"a launch in a kernel failed: {reply['content']}\n{text}")
+        if here in text.split(" from ", 1)[1]:
+            raise SystemExit(f"the kernel imported the checkout's nbtrain: {text}")
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    print(f"installed: {os.path.dirname(nbtrain.__file__)}; the demo and a 2-rank launch in a "
+          "real kernel ran from it")
+
+
 def main(argv: list[str]) -> None:
     if "--runtime-only" in argv:
         extra = [m for m in ("pytest", "nbval", "nbclient", "jupyterlab")
@@ -89,6 +143,9 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run = check_checkpoints(tmp)
     check_figures(run)
+    if "--installed" in argv:
+        with tempfile.TemporaryDirectory() as tmp:
+            check_installed(tmp)
     print("fresh environment: ok")
 
 

@@ -31,10 +31,49 @@ def test_a_slurm_hostlist_names_its_first_host():
     assert clusters.first_host("gpu[03-05,09],cpu1") == "gpu03"
     assert clusters.first_host("cpu1,gpu[03-05]") == "cpu1"
     assert clusters.first_host("node[7]-ib") == "node7-ib"
+    assert clusters.first_host("rack[1-2]-node[01-04]") == "rack1-node01"
     assert clusters.tasks_on_node("4(x2),3", 0) == 4
     assert clusters.tasks_on_node("4(x2),3", 2) == 3
     with pytest.raises(ValueError, match="tasks per node"):
         clusters.tasks_on_node("four", 0)
+
+
+# SLURM's hostlist grammar, with what `scontrol show hostnames` prints for each
+HOSTLISTS = {
+    "vm": ["vm"],
+    "gpu[03-05,09],cpu1": ["gpu03", "gpu04", "gpu05", "gpu09", "cpu1"],
+    "rack[1-2]-node[01-02]": ["rack1-node01", "rack1-node02", "rack2-node01", "rack2-node02"],
+    "n[8-11]": ["n8", "n9", "n10", "n11"],
+    "n[08-11]": ["n08", "n09", "n10", "n11"],
+    "a[1,3],b,c[007]": ["a1", "a3", "b", "c007"],
+    "n[1-2],m[3]": ["n1", "n2", "m3"],
+}
+
+
+def scontrol_hostnames(nodelist: str) -> list[str] | None:
+    """``scontrol show hostnames`` where SLURM is installed and configured (the one-node
+    cluster CI starts), else None."""
+    if not shutil.which("scontrol"):
+        return None
+    done = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                          text=True, timeout=30)
+    if "configuration" in done.stderr:  # installed, not configured
+        return None
+    assert done.returncode == 0, done.stderr  # a case SLURM would not write
+    return done.stdout.split()
+
+
+@pytest.mark.parametrize("nodelist", HOSTLISTS)
+def test_a_slurm_hostlist_expands_as_slurm_expands_it(nodelist):
+    assert list(clusters.expand_hostlist(nodelist)) == HOSTLISTS[nodelist]
+    slurm = scontrol_hostnames(nodelist)
+    assert slurm is None or slurm == HOSTLISTS[nodelist]
+
+
+@pytest.mark.parametrize("bad", ["n[1-", "n[a-b]", "n]1["])
+def test_a_hostlist_slurm_would_not_write_is_refused(bad):
+    with pytest.raises(ValueError, match="node list"):
+        list(clusters.expand_hostlist(bad))
 
 
 SRUN_STEP = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8",

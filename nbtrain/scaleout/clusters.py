@@ -25,6 +25,7 @@ A ``MASTER_PORT`` or ``MASTER_ADDR`` already set wins.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 
@@ -33,21 +34,49 @@ TORCHRUN_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTE
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a SLURM hostlist: ``"gpu[03-05,09],cpu1"`` -> ``"gpu03"``."""
-    depth, end = 0, len(nodelist)
-    for i, ch in enumerate(nodelist):  # the first top-level comma ends the first entry
-        depth += ch == "["
-        depth -= ch == "]"
+    """The first host of a SLURM hostlist: ``"gpu[03-05,09],cpu1"`` -> ``"gpu03"``,
+    ``"rack[1-2]-node[01-04]"`` -> ``"rack1-node01"``."""
+    for host in expand_hostlist(nodelist):
+        return host
+    raise ValueError(f"SLURM's node list {nodelist!r} names no host")
+
+
+def expand_hostlist(nodelist: str):
+    """Every host of a SLURM hostlist, in ``scontrol show hostnames``'s order: entries
+    split at the commas outside brackets; in an entry each bracket group is a comma list
+    of numbers and ranges (``01-04`` keeps the width of its first number), and several
+    groups multiply, the first varying slowest."""
+    for entry in _split_top_level(nodelist):
+        parts = re.split(r"(\[[^\]]*\])", entry)
+        choices = []
+        for part in parts:
+            if part.startswith("[") and part.endswith("]"):
+                choices.append(list(_numbers(part[1:-1], nodelist)))
+            elif "[" in part or "]" in part:
+                raise ValueError(f"SLURM's node list {nodelist!r}: unbalanced brackets")
+            else:
+                choices.append([part])
+        yield from ("".join(combo) for combo in itertools.product(*choices))
+
+
+def _split_top_level(nodelist: str) -> list[str]:
+    entries, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist):
+        depth += (ch == "[") - (ch == "]")
         if ch == "," and depth == 0:
-            end = i
-            break
-    entry = nodelist[:end].strip()
-    match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", entry)
-    if match is None:
-        return entry
-    prefix, ranges, suffix = match.groups()
-    first = ranges.split(",")[0].split("-")[0]
-    return f"{prefix}{first}{suffix}"
+            entries.append(nodelist[start:i])
+            start = i + 1
+    entries.append(nodelist[start:])
+    return [e.strip() for e in entries if e.strip()]
+
+
+def _numbers(group: str, nodelist: str):
+    for item in group.split(","):
+        low, _, high = item.strip().partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            raise ValueError(f"SLURM's node list {nodelist!r}: cannot read [{group}]")
+        for n in range(int(low), int(high or low) + 1):
+            yield str(n).zfill(len(low))  # "01-10": 01 ... 10; "1-10": 1 ... 10
 
 
 def tasks_on_node(tasks_per_node: str, node: int) -> int:
