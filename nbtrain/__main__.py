@@ -9,8 +9,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: nbtrain demo [--help] [options]\n"
-              "       nbtrain run FILE.py:FUNCTION [ARGS] --nproc-per-node M [--nnodes N "
-              "--rdzv-endpoint HOST:PORT] [--attach ADDRESS]\n\n"
+              "       nbtrain run FILE.py:FUNCTION [ARGS] [--strategy S] [--attach ADDRESS] "
+              "[torchrun's options: --nproc-per-node M --nnodes N --rdzv-endpoint HOST:PORT "
+              "--max-restarts K ...]\n\n"
               "commands:\n  demo    train the quickstart model with DDP and FSDP on 2 CPU "
               "ranks and write an HTML report\n"
               "  run     run a function on every rank torchrun starts (see run --help)")

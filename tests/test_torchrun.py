@@ -131,14 +131,27 @@ def test_nbtrain_run_reads_the_function_and_its_arguments():
     with pytest.raises(ValueError, match="positional arguments come before"):
         command.function_args(["lr=1", "3"])
     argv = [f"{TESTS / 'workloads.py'}:train", "lr=0.1", "--nproc-per-node", "2", "--nnodes",
-            "2", "--rdzv-endpoint", "10.0.0.1:29500", "--attach", "h:1:secret"]
-    cmd = command.torchrun_command(command.parser().parse_intermixed_args(argv), argv)
+            "2", "--rdzv-endpoint", "10.0.0.1:29500", "--attach", "h:1:secret",
+            "--max-restarts", "1", "--tee=3", "--log-dir", "logs", "--local-ranks-filter",
+            "0", "--master-addr", "head", "--strategy", "fsdp"]
+    mine, passed = command.split_argv(argv)
+    cmd = command.torchrun_command(mine, passed)
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
-    assert "--rdzv-endpoint=10.0.0.1:29500" in cmd and "--nproc-per-node=2" in cmd
+    # torchrun's options reach it unchanged, in order; nbtrain's go to the ranks
+    assert cmd[3:cmd.index("-m", 3)] == [
+        "--rdzv-backend=c10d", "--rdzv-id=nbtrain", "--nproc-per-node", "2", "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29500",
+        "--max-restarts", "1", "--tee=3", "--log-dir", "logs", "--local-ranks-filter", "0",
+        "--master-addr", "head"]
     assert cmd[cmd.index("nbtrain"):] == ["nbtrain", "_rank", argv[0], "lr=0.1",
-                                          "--nproc-per-node", "2", "--nnodes", "2",
-                                          "--rdzv-endpoint", "10.0.0.1:29500"]
+                                          "--strategy", "fsdp"]
     assert "secret" not in " ".join(cmd)  # the token goes by environment, not argv
+    # nothing given: one process on this node
+    alone = command.torchrun_command(*command.split_argv([argv[0]]))
+    assert alone[3:5] == ["--nproc-per-node=1", "--standalone"]
+    for wrong, message in ((["--module"], "would replace"), (["--frobnicate"], "neither"),
+                           (["--max-restarts"], "needs a value")):
+        with pytest.raises(SystemExit, match=message):
+            command.split_argv([argv[0], *wrong])
 
 
 @pytest.mark.parametrize("target, message", [
@@ -248,7 +261,8 @@ def test_the_notebook_watches_a_two_node_torchrun_job_live(kernel_clean):
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "nbtrain", "run", "workloads.py:train", "--strategy",
                "fsdp", "--accelerator", "cpu", "--nnodes", "2", "--nproc-per-node", "1",
-               "--rdzv-endpoint", f"127.0.0.1:{{port}}", "--attach", watch.address]
+               "--rdzv-endpoint", f"127.0.0.1:{{port}}", "--attach", watch.address,
+               "--max-restarts", "1", "--monitor-interval", "0.5"]  # torchrun's own
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
             [{str(TESTS.parent)!r}, os.environ.get("PYTHONPATH", "")]))
         logs = [tempfile.TemporaryFile("w+") for _ in range(2)]

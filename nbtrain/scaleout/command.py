@@ -1,4 +1,4 @@
-"""``nbtrain run FILE.py:FUNCTION [ARGS] --nproc-per-node M [...]``: a thin front to torchrun.
+"""``nbtrain run FILE.py:FUNCTION [ARGS] [--nproc-per-node M ...]``: a thin front to torchrun.
 
 For a function that lives in a file (say, copied out of a notebook) and no script
 around it. The command builds a torchrun command line and runs it; torchrun starts the
@@ -6,7 +6,10 @@ processes, and each one (``python -m nbtrain _rank ...``) loads the file, finds 
 function and calls ``nbtrain.launch(function, *ARGS, **KWARGS, strategy=...)``, which
 under torchrun runs it in that process as its rank. ``ARGS`` are ``key=value`` (keyword)
 or bare values (positional), each read as a Python literal when it is one
-(``lr=3e-4 steps=100 name=tiny``).
+(``lr=3e-4 steps=100 name=tiny``). Every option of torchrun's own (``--nnodes``,
+``--rdzv-endpoint``, ``--max-restarts``, ``--tee``, ``--log-dir``, ``--master-addr``,
+``--local-ranks-filter``, ...) goes to torchrun unchanged; torch's own parser says which
+they are and which take a value.
 """
 
 from __future__ import annotations
@@ -19,11 +22,19 @@ import subprocess
 import sys
 from typing import Any
 
-USAGE = "nbtrain run FILE.py:FUNCTION [ARGS] --nproc-per-node M [options]"
+USAGE = "nbtrain run FILE.py:FUNCTION [ARGS] [nbtrain's options] [torchrun's options]"
+# torchrun options that would replace what torchrun runs: nbtrain's rank entry point.
+NOT_PASSED = ("-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path")
 
 
 def parser(prog: str = "nbtrain run") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, usage=USAGE, description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(
+        prog=prog, usage=USAGE, description=__doc__.split("\n\n")[1],
+        epilog="Every option of torchrun (python -m torch.distributed.run --help) is passed "
+               "on unchanged, e.g. --nproc-per-node 8 --nnodes 2 --rdzv-endpoint head:29500 "
+               "--max-restarts 3 --tee 3 --log-dir logs. Without them: one process "
+               "(--nproc-per-node 1) on this node (--standalone); with --rdzv-endpoint, "
+               "--rdzv-backend c10d and --rdzv-id nbtrain unless given.")
     p.add_argument("target", help="FILE.py:FUNCTION, the function to run on every rank")
     p.add_argument("args", nargs="*", help="the function's arguments: key=value or values")
     p.add_argument("--strategy", default="ddp", help="a strategy name (default: ddp)")
@@ -31,31 +42,58 @@ def parser(prog: str = "nbtrain run") -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="the base seed (rank r: seed + r)")
     p.add_argument("--attach", default=None, metavar="ADDRESS",
                    help="stream to a notebook's nbtrain.listen() (watch.address)")
-    t = p.add_argument_group("torchrun")
-    t.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
-                   help="processes on this node (a count, or gpu/cpu/auto as torchrun takes)")
-    t.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX")
-    t.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="", metavar="HOST:PORT",
-                   help="where the nodes meet (required with --nnodes > 1)")
-    t.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d")
-    t.add_argument("--rdzv-id", "--rdzv_id", default="nbtrain")
-    t.add_argument("--node-rank", "--node_rank", default=None)
-    t.add_argument("--rdzv-conf", "--rdzv_conf", default=None, metavar="KEY=VALUE,...",
-                   help="torchrun's rendezvous options, e.g. is_host=1 on the node that "
-                   "hosts the store")
     return p
+
+
+def torchrun_parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    return get_args_parser()
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` as ``(nbtrain's, torchrun's)``: each torchrun option (with its value, when it
+    takes one) goes to torchrun in the order given; the rest is the target, the
+    function's arguments and nbtrain's options."""
+    ours = parser()._option_string_actions
+    theirs = torchrun_parser()._option_string_actions
+    mine: list[str] = []
+    passed: list[str] = []
+    items = iter(argv)
+    for item in items:
+        name = item.split("=", 1)[0]
+        if not item.startswith("-") or name in ours or name in ("-h", "--help"):
+            mine.append(item)
+        elif name in NOT_PASSED:
+            raise SystemExit(f"nbtrain run: {item} would replace what torchrun runs (nbtrain's "
+                             "rank entry); run torchrun yourself for that.")
+        elif name in theirs:
+            passed.append(item)
+            if "=" not in item and theirs[name].nargs != 0:
+                value = next(items, None)
+                if value is None:
+                    raise SystemExit(f"nbtrain run: {item} needs a value.")
+                passed.append(value)
+        else:
+            raise SystemExit(f"nbtrain run: {item} is neither nbtrain's option nor torchrun's "
+                             "(see nbtrain run --help and python -m torch.distributed.run "
+                             "--help).")
+    return mine, passed
 
 
 def main(argv: list[str]) -> int:
     """The ``nbtrain run`` command: check the target here, then hand over to torchrun."""
-    options = parser().parse_intermixed_args(argv)
+    mine, passed = split_argv(argv)
+    options = parser().parse_intermixed_args(mine)
     path, name = _split(options.target)
     _check_defines(path, name)  # a wrong file or name fails here, once, not on every rank
-    if options.nnodes not in ("1", "1:1") and not options.rdzv_endpoint:
-        print(f"nbtrain run: --nnodes {options.nnodes} needs --rdzv-endpoint HOST:PORT "
+    torchrun = torchrun_parser().parse_args([*passed, "_"])
+    if str(torchrun.nnodes) not in ("1", "1:1") and not _given(passed, "--rdzv-endpoint",
+                                                               "--master-addr"):
+        print(f"nbtrain run: --nnodes {torchrun.nnodes} needs --rdzv-endpoint HOST:PORT "
               "(where the nodes meet, the same on every node).", file=sys.stderr)
         return 2
-    command = torchrun_command(options, argv)
+    command = torchrun_command(mine, passed)
     env = dict(os.environ)
     if options.attach:
         env["NBTRAIN_ATTACH"] = options.attach
@@ -65,19 +103,29 @@ def main(argv: list[str]) -> int:
         return 130
 
 
-def torchrun_command(options: argparse.Namespace, argv: list[str]) -> list[str]:
-    command = [sys.executable, "-m", "torch.distributed.run",
-               f"--nproc-per-node={options.nproc_per_node}", f"--nnodes={options.nnodes}"]
-    if options.rdzv_endpoint:
-        command += [f"--rdzv-backend={options.rdzv_backend}",
-                    f"--rdzv-endpoint={options.rdzv_endpoint}", f"--rdzv-id={options.rdzv_id}"]
-    else:
-        command += ["--standalone"]
-    if options.rdzv_conf:
-        command += [f"--rdzv-conf={options.rdzv_conf}"]
-    if options.node_rank is not None:
-        command += [f"--node-rank={options.node_rank}"]
-    return command + ["-m", "nbtrain", "_rank", *_without_attach(argv)]
+def torchrun_command(mine: list[str], passed: list[str]) -> list[str]:
+    """torchrun's command line: its options as given (one process, standalone, when none
+    says otherwise), then nbtrain's rank entry with nbtrain's part of the arguments."""
+    defaults = []
+    if not _given(passed, "--nproc-per-node"):
+        defaults.append("--nproc-per-node=1")
+    if _given(passed, "--rdzv-endpoint"):  # torchrun's own defaults are static and "none"
+        if not _given(passed, "--rdzv-backend"):
+            defaults.append("--rdzv-backend=c10d")
+        if not _given(passed, "--rdzv-id"):
+            defaults.append("--rdzv-id=nbtrain")
+    nodes = str(torchrun_parser().parse_args([*passed, "_"]).nnodes)
+    if nodes in ("1", "1:1") and not _given(passed, "--standalone", "--rdzv-endpoint",
+                                            "--master-addr"):
+        defaults.append("--standalone")
+    return [sys.executable, "-m", "torch.distributed.run", *defaults, *passed,
+            "-m", "nbtrain", "_rank", *_without_attach(mine)]
+
+
+def _given(passed: list[str], *names: str) -> bool:
+    """Was one of torchrun's options ``names`` given (in either spelling)?"""
+    spelled = {n for name in names for n in (name, name.replace("-", "_").replace("__", "--"))}
+    return any(item.split("=", 1)[0] in spelled for item in passed)
 
 
 def _without_attach(argv: list[str]) -> list[str]:
@@ -98,7 +146,7 @@ def rank_main(argv: list[str]) -> int:
     """One torchrun process: load the function and ``launch()`` it as this rank."""
     from ..launch import launch
 
-    options = parser().parse_intermixed_args(argv)
+    options = parser().parse_intermixed_args(argv)  # nbtrain's part: see torchrun_command
     path, name = _split(options.target)
     fn = _load(path, name)
     args, kwargs = function_args(options.args)
