@@ -1,3 +1,4 @@
+import hashlib
 import json
 import socket
 import threading
@@ -5,7 +6,14 @@ import time
 
 import pytest
 
-from nbtrain.telemetry.channel import MAX_FRAME, TelemetryClient, TelemetryServer, frame
+from nbtrain.telemetry.channel import (
+    MAX_FRAME,
+    TelemetryClient,
+    TelemetryServer,
+    frame,
+    handshake,
+    read_frame,
+)
 from nbtrain.telemetry.events import Lifecycle, Metric, decode, encode
 
 
@@ -74,15 +82,34 @@ def _hung_up(sock) -> bool:
     bytes still unread (the kernel then answers with RST instead of FIN)."""
     sock.settimeout(5)
     try:
-        return sock.recv(10) == b""
+        while sock.recv(4096):  # the challenge it opened with, if unread
+            pass
+        return True
     except ConnectionResetError:
         return True
+    except TimeoutError:
+        return False
 
 
 def _raw(server, token, rank=0):
+    """A connection that did the handshake with ``token`` (right or wrong)."""
     sock = socket.create_connection(server.address)
-    sock.sendall(frame(json.dumps({"token": token, "rank": rank}).encode()))
+    handshake(sock, token, {"rank": rank}, timeout=5)
     return sock
+
+
+class Recording:
+    """A socket that keeps every byte sent through it."""
+
+    def __init__(self, sock):
+        self.sock, self.sent = sock, b""
+
+    def sendall(self, data):
+        self.sent += data
+        return self.sock.sendall(data)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
 
 
 def test_wrong_token_is_refused():
@@ -97,10 +124,68 @@ def test_wrong_token_is_refused():
         nohello.sendall(frame(b"hello?"))
         assert _hung_up(nohello)
         nohello.close()
-        assert server.refused == 2
+        # version 1's hello, the token in clear: refused too
+        old = socket.create_connection(server.address)
+        old.sendall(frame(json.dumps({"token": server.token, "rank": 0}).encode()))
+        assert _hung_up(old)
+        old.close()
+        assert server.refused == 3
         assert sink.events == []
     finally:
         server.close()
+
+
+def test_the_token_never_crosses_the_wire_and_a_replayed_hello_is_refused():
+    """As multiprocessing.connection's authkey: a challenge per connection, an HMAC back.
+    What a client sends does not contain the token, and sent again on a new connection
+    (another challenge) it is refused, as is a hello whose rank was changed on the way."""
+    sink = Collect()
+    server = TelemetryServer(sink)
+    try:
+        sock = Recording(socket.create_connection(server.address))
+        handshake(sock, server.token, {"rank": 0, "ack": True}, timeout=5)  # proof checked
+        assert server.token.encode() not in sock.sent
+        assert hashlib.sha256(server.token.encode()).hexdigest().encode() not in sock.sent
+        sock.sock.close()
+        replay = socket.create_connection(server.address)
+        read_frame(replay)  # its own challenge, ignored: the recorded hello is sent as it was
+        replay.sendall(sock.sent)
+        assert _hung_up(replay)
+        replay.close()
+        hello = json.loads(sock.sent[4:])
+        altered = socket.create_connection(server.address)
+        challenge = json.loads(read_frame(altered))["challenge"]
+        signed = {**hello, "rank": 1}  # a rank claiming another's events, old MAC
+        altered.sendall(frame(json.dumps(signed).encode()))
+        assert _hung_up(altered)
+        altered.close()
+        assert challenge != json.loads(sock.sent[4:]).get("challenge")
+        assert server.refused == 2 and sink.events == []
+    finally:
+        server.close()
+
+
+def test_a_client_refuses_a_listener_that_cannot_prove_the_token():
+    """A remote rank streams only to the notebook's listener: one that took its port but
+    does not know the token answers a hello with an acknowledgement it cannot sign."""
+    fake = socket.create_server(("127.0.0.1", 0))
+
+    def impostor():
+        conn, _ = fake.accept()
+        conn.sendall(frame(json.dumps({"nbtrain": 2, "challenge": "00" * 16}).encode()))
+        read_frame(conn)
+        conn.sendall(frame(json.dumps({"ack": "f" * 64}).encode()))
+        conn.close()
+
+    thread = threading.Thread(target=impostor)
+    thread.start()
+    try:
+        with pytest.raises(ConnectionRefusedError, match="could not prove it knows the token"):
+            TelemetryClient(fake.getsockname(), "the-token", 0, hello={"ack": True},
+                            connect_timeout=5)
+    finally:
+        thread.join(5)
+        fake.close()
 
 
 def test_garbage_and_oversized_frames_are_dropped_not_fatal():

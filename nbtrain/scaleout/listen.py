@@ -6,8 +6,9 @@ run``), live, as it watches its own launches.
                                              # nbtrain run ... --attach ADDRESS
     watch.runs                               # every run that attached, newest last
 
-Every rank of the job connects to the listener with the token (``host:port:token``,
-one string) and says which run it belongs to (a run id rank 0 drew, the world size,
+Every rank of the job proves the token to the listener (``host:port:token``, one string;
+the token itself never crosses the wire: ``telemetry/channel.py``'s handshake) and says
+which run it belongs to (a run id rank 0 drew, the world size,
 the function and strategy); the listener makes one ``Run`` per run id, and each rank's
 events (the typed events of a local run, JSON, bounded frames, never pickle) go to it.
 Each run gets the live view a local launch gets (the widget dashboard in a notebook,

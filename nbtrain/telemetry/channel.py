@@ -2,12 +2,19 @@
 
 The same channel serves fork and spawn workers and, through ``nbtrain.listen()``, the
 ranks of a torchrun job on other hosts: the kernel hands each worker an address and a
-secret token (a job gets both in one string, ``host:port:token``). A remote rank's
-hello also says which run it belongs to; the listener routes its events by that, and
-acknowledges the hello with one byte so a refused token is known at once. Frames are a 4-byte big-endian
-length and a JSON body. The first frame of a connection must carry the token; a wrong
-or missing token closes the connection. Oversized frames are skipped, malformed ones
-are dropped and counted; neither harms the run.
+secret token (a job gets both in one string, ``host:port:token``). Frames are a 4-byte
+big-endian length and a JSON body.
+
+The token never crosses the wire (a listener on ``0.0.0.0`` is reachable by anyone on
+the network): as in ``multiprocessing.connection``'s ``authkey`` handshake, the listener
+opens each connection with a fresh random challenge, and the client's first frame, its
+hello (its rank, and for a remote rank which run it belongs to), carries an HMAC-SHA256
+under the token of that challenge and the hello itself. A wrong token, a hello replayed
+on another connection (another challenge) or one altered on the way (another rank)
+closes the connection. A remote rank asks for an acknowledgement, and the listener proves
+that it knows the token too, with an HMAC of the rank's own nonce: a rank does not stream
+to a listener that merely took its port. Oversized frames are skipped, malformed ones are
+dropped and counted; neither harms the run.
 
 On the worker, ``send`` only appends the event to a bounded buffer that a background
 thread encodes and flushes, so neither encoding nor a slow kernel stalls a training
@@ -33,18 +40,33 @@ MAX_FRAME = 1 << 20  # bytes; larger frames are skipped
 _HEADER = struct.Struct(">I")
 
 
-ACK = b"\x01"  # the listener's answer to a hello that asked for one ("ack": true)
+PROTOCOL = 2  # 2: challenge and HMAC (1 sent the token in the hello)
+
+
+def mac(token: str, purpose: bytes, *parts: bytes) -> str:
+    """HMAC-SHA256 under ``token`` of ``purpose`` and ``parts``, as hex."""
+    digest = hmac.new(token.encode(), purpose, "sha256")
+    for part in parts:
+        digest.update(len(part).to_bytes(4, "big") + part)
+    return digest.hexdigest()
+
+
+def _signed(hello: dict) -> bytes:
+    """The bytes a hello's MAC covers: the hello itself, less the MAC, canonically."""
+    return json.dumps({k: v for k, v in hello.items() if k != "mac"}, sort_keys=True,
+                      separators=(",", ":")).encode()
 
 
 class _Conn:
-    __slots__ = ("sock", "buf", "rank", "skip", "handler")
+    __slots__ = ("sock", "buf", "rank", "skip", "handler", "challenge")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.buf = bytearray()
-        self.rank: int | None = None  # set once the hello frame carried the right token
+        self.rank: int | None = None  # set once the hello frame proved the token
         self.skip = 0  # bytes of an oversized frame still to discard
         self.handler: Callable[[Event], None] | None = None  # where its events go
+        self.challenge = secrets.token_hex(16)  # this connection's, sent at accept
 
 
 class TelemetryServer:
@@ -131,8 +153,15 @@ class TelemetryServer:
             sock, _ = self._sock.accept()
         except OSError:
             return
+        conn = _Conn(sock)
+        try:  # a few bytes into an empty socket buffer: sent at once
+            sock.sendall(frame(json.dumps({"nbtrain": PROTOCOL,
+                                           "challenge": conn.challenge}).encode()))
+        except OSError:
+            sock.close()
+            return
         sock.setblocking(False)
-        self._sel.register(sock, selectors.EVENT_READ, _Conn(sock))
+        self._sel.register(sock, selectors.EVENT_READ, conn)
 
     def _drop(self, conn: _Conn) -> None:
         self._sel.unregister(conn.sock)
@@ -181,15 +210,15 @@ class TelemetryServer:
                 continue
             if len(conn.buf) < _HEADER.size + size:
                 return
-            frame = bytes(conn.buf[_HEADER.size:_HEADER.size + size])
+            body = bytes(conn.buf[_HEADER.size:_HEADER.size + size])
             del conn.buf[:_HEADER.size + size]
             if conn.rank is None:
-                if not self._hello(conn, frame):
+                if not self._hello(conn, body):
                     self.refused += 1
                     self._drop(conn)
                     return
                 continue
-            event = decode(frame)
+            event = decode(body)
             if event is None or event.rank != conn.rank:
                 self.malformed += 1
                 continue
@@ -198,28 +227,31 @@ class TelemetryServer:
             except Exception:  # a broken sink must not end the channel
                 self.malformed += 1
 
-    def _hello(self, conn: _Conn, frame: bytes) -> bool:
+    def _hello(self, conn: _Conn, body: bytes) -> bool:
         try:
-            hello = json.loads(frame)
-            token, rank = hello["token"], hello["rank"]
-        except (ValueError, KeyError, TypeError):
+            hello = json.loads(body)
+            given, rank, nonce = hello["mac"], hello["rank"], hello.get("nonce", "")
+        except (ValueError, KeyError, TypeError, AttributeError):
             return False
-        if not isinstance(token, str) or not isinstance(rank, int):
+        if not (isinstance(given, str) and isinstance(rank, int) and isinstance(nonce, str)):
             return False
-        if not hmac.compare_digest(token.encode(), self.token.encode()):
+        expected = mac(self.token, b"nbtrain-hello", conn.challenge.encode(), _signed(hello))
+        if not hmac.compare_digest(given.encode(), expected.encode()):
             return False
         handler = self._on_event
         if self._on_hello is not None:
             try:
-                handler = self._on_hello({k: v for k, v in hello.items() if k != "token"})
+                handler = self._on_hello({k: v for k, v in hello.items()
+                                          if k not in ("mac", "nonce")})
             except Exception:
                 handler = None
         if handler is None:
             return False
         conn.rank, conn.handler = rank, handler
-        if hello.get("ack") is True:
+        if hello.get("ack") is True:  # prove the token back, on the rank's own nonce
+            proof = mac(self.token, b"nbtrain-ack", nonce.encode(), conn.challenge.encode())
             try:
-                conn.sock.send(ACK)
+                conn.sock.sendall(frame(json.dumps({"ack": proof}).encode()))
             except OSError:
                 return False
         return True
@@ -227,6 +259,52 @@ class TelemetryServer:
 
 def frame(body: bytes) -> bytes:
     return _HEADER.pack(len(body)) + body
+
+
+
+def read_frame(sock: socket.socket) -> bytes:
+    """One frame from a blocking socket (the handshake's)."""
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionRefusedError("the listener closed the connection")
+            data += chunk
+        return data
+
+    (size,) = _HEADER.unpack(exactly(_HEADER.size))
+    if size > 4096:
+        raise ConnectionRefusedError("not an nbtrain listener (its first frame is too long)")
+    return exactly(size)
+
+
+def handshake(sock: socket.socket, token: str, hello: dict, timeout: float) -> None:
+    """The client's side: answer the listener's challenge with an HMAC'd hello; with
+    ``hello["ack"]``, check the listener's proof that it knows the token too."""
+    sock.settimeout(timeout)
+    try:
+        opening = json.loads(read_frame(sock))
+        challenge = opening["challenge"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConnectionRefusedError("not an nbtrain listener (no challenge), or one of "
+                                     "an older nbtrain") from err
+    hello = {**hello, "nonce": secrets.token_hex(16)}
+    hello["mac"] = mac(token, b"nbtrain-hello", challenge.encode(), _signed(hello))
+    sock.sendall(frame(json.dumps(hello).encode()))
+    if hello.get("ack") is True:  # a listener elsewhere: did it take the hello?
+        try:
+            proof = json.loads(read_frame(sock))["ack"]
+        except ConnectionRefusedError as err:
+            raise ConnectionRefusedError("the listener refused the connection (a wrong "
+                                         "token?)") from err
+        except (ValueError, KeyError, TypeError) as err:
+            raise ConnectionRefusedError("the listener's answer is not nbtrain's") from err
+        expected = mac(token, b"nbtrain-ack", hello["nonce"].encode(), challenge.encode())
+        if not hmac.compare_digest(str(proof).encode(), expected.encode()):
+            raise ConnectionRefusedError("the listener could not prove it knows the token "
+                                         "(not the notebook's listener?)")
+    sock.settimeout(None)
 
 
 class TelemetryClient:
@@ -245,17 +323,9 @@ class TelemetryClient:
         self._closing = False
         self.lost: str | None = None  # why the listener went away mid-run, if it did
         self._sock = socket.create_connection(tuple(address), timeout=connect_timeout)
-        self._sock.settimeout(None)
-        # hello: the token and rank, plus what a remote job says about itself (run id...)
-        greeting = {**(hello or {}), "token": token, "rank": rank}
+        # hello: the rank, plus what a remote job says about itself (run id...)
         try:
-            self._sock.sendall(frame(json.dumps(greeting).encode()))
-            if greeting.get("ack") is True:  # a listener elsewhere: did it take the token?
-                self._sock.settimeout(connect_timeout)
-                if self._sock.recv(1) != ACK:
-                    raise ConnectionRefusedError("the listener refused the connection "
-                                                 "(a wrong token?)")
-                self._sock.settimeout(None)
+            handshake(self._sock, token, {**(hello or {}), "rank": rank}, connect_timeout)
         except BaseException:
             self._sock.close()
             raise
