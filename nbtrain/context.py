@@ -44,6 +44,7 @@ class Context:
         self._scaler = None
         self._skipped = 0  # fp16 steps the loss scaler skipped
         self._model: nn.Module | None = None  # the model ctx.setup returned last
+        self._optimizers: list[torch.optim.Optimizer] = []  # and its optimizers
         self._batches = 0
         self._logs = 0
         self._init_recording = None  # from ctx.init_module()
@@ -116,6 +117,7 @@ class Context:
                                             sources=meta_init.sources(model, self._init_recording))
         wrapped, optimizers = strategy.setup(model, optimizers, self, materialize)
         self._model = wrapped
+        self._optimizers = list(optimizers)
         if self._recorder is not None:
             self._recorder.watch(wrapped, optimizers)
         self._scaler = strategy.grad_scaler(self)

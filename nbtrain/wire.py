@@ -145,20 +145,21 @@ def _unpicklable_part(obj: Any, path: str = "the result") -> str:
 
 
 # -- failures -----------------------------------------------------------------------------
-def encode_failure(exc: BaseException, rank: int, skip: tuple[str, ...] = ()) -> bytes:
+def encode_failure(exc: BaseException, rank: int, skip: tuple[str, ...] = (),
+                   hint: str = "") -> bytes:
     """The failure as JSON; leading frames of the files in ``skip`` (nbtrain's bootstrap)
-    are left out of the traceback."""
+    are left out of the traceback. ``hint``: what the rank adds (what to do)."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in skip:
         tb = tb.tb_next  # the user's frames only, not nbtrain's bootstrap
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     body = {"rank": rank, "type": type(exc).__name__, "module": type(exc).__module__,
-            "message": str(exc), "traceback": text}
+            "message": str(exc), "traceback": text, "hint": hint}
     return FAILURE + json.dumps(body).encode()
 
 
 def decode_failure(message: bytes) -> dict:
-    """A failure message's fields: rank, type, module, message, traceback."""
+    """A failure message's fields: rank, type, module, message, traceback, hint."""
     return json.loads(message[1:])
 
 

@@ -12,7 +12,15 @@ import time
 import pytest
 import torch
 from torch import nn
-from workloads import chatty, fail_on, sleeper, train, train_single, unpicklable
+from workloads import (
+    chatty,
+    fail_on,
+    out_of_memory,
+    sleeper,
+    train,
+    train_single,
+    unpicklable,
+)
 
 import nbtrain
 from nbtrain.telemetry.events import Lifecycle
@@ -385,3 +393,57 @@ def test_a_function_written_for_torchrun_runs_on_a_pool_twice():
         for _ in range(2):  # its destroy_process_group left the pool's group alone
             assert pool.launch(torchrun_style, dashboard=False).results == [(0, 2, 0),
                                                                             (1, 2, 1)]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_running_out_of_memory_says_what_filled_it_and_what_would_help(strategy, no_leftovers):
+    """A rank's OOM (torch's own error, injected here on CPU ranks) comes back with that
+    rank's memory by category at that moment and the remedies ranked by what each would
+    save there: under ddp, sharding first (AdamW's state is half of it); under fsdp,
+    which already shards, not that."""
+    with pytest.raises(nbtrain.WorkerError) as caught:
+        nbtrain.launch(out_of_memory, devices=2, accelerator="cpu", strategy=strategy,
+                       dashboard=False)
+    err = caught.value
+    assert err.rank == 1 and err.exc_type == "OutOfMemoryError", err
+    assert err.hint.startswith(f"nbtrain: rank 1 ran out of memory on cpu under {strategy}.")
+    assert err.hint in str(err)  # shown with the error
+    held = dict(re.findall(r"(parameters|gradients|optimizer state) [\d.]+ [KMG]B \((\d+)%\)",
+                           err.hint))
+    assert set(held) == {"parameters", "gradients", "optimizer state"}, err.hint
+    assert 45 <= int(held["optimizer state"]) <= 55, held  # AdamW: two moments per parameter
+    remedies = err.hint.split("What would help here, the most first:\n", 1)[1].splitlines()
+    if strategy == "ddp":
+        assert remedies[0].startswith("  - strategy='fsdp': each of the 2 ranks holds 1/2 "
+                                      "of the parameters"), remedies
+    else:
+        assert not any("strategy='fsdp':" in line for line in remedies), remedies
+
+
+def test_a_gpu_out_of_memory_ranks_the_remedies_by_what_each_saves(monkeypatch):
+    """The CUDA side with fakes for the allocator: 8 GB of model state under ddp on 2
+    ranks and 6 GB of activations; sharding saves most, then offload, then recomputing
+    activations, a smaller batch, half precision."""
+    import types
+
+    from nbtrain import strategies
+    from nbtrain.rank import oom
+
+    gb = 1 << 30
+    monkeypatch.setattr(oom, "memory_by_category", lambda model, opts, device: {
+        "params": 2 * gb, "grads": 2 * gb, "optimizer": 4 * gb})
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 14 * gb)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 14.5 * gb)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=15 * gb))
+    ctx = types.SimpleNamespace(rank=1, world_size=2, device=torch.device("cuda", 1),
+                                strategy=strategies.get("ddp"), _model=nn.Linear(1, 1),
+                                _optimizers=[])
+    hint = oom.diagnose(ctx)
+    assert "activations and temporaries 6.00 GB (43%)" in hint, hint
+    assert "allocator: 14.00 GB allocated, peak 14.50 GB, of 15.00 GB on the device" in hint
+    order = [line.split(":")[0].split("=")[0].strip(" -") for line in hint.splitlines()
+             if line.startswith("  - ")]
+    assert order == ["strategy", "strategy", "activation_checkpointing", "a smaller batch per "
+                     "rank (activations grow with it", "mixed_precision"], hint
+    assert "strategy='fsdp'" in hint.split("\n  - ")[1] and "about 4.00 GB less" in hint

@@ -529,3 +529,20 @@ def grad_storages(ctx):
     ctx.backward(nn.functional.cross_entropy(model(x), y))
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return len(grads), len({g.untyped_storage().data_ptr() for g in grads})
+
+
+def out_of_memory(ctx, rank=1):
+    """Trains a step (the optimizer has its state), then runs out of memory on ``rank``
+    as CUDA would say it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 4))
+    model, opt = ctx.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x = torch.randn(16, 64, device=ctx.device)
+    ctx.backward(model(x).pow(2).mean())
+    opt.step()
+    if ctx.rank == rank:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 "
+                                     "has a total capacity of 14.74 GiB of which 1.12 GiB is "
+                                     "free.")
+    dist.barrier()
+    return ctx.rank

@@ -280,7 +280,8 @@ class Supervisor:
             body = decode_failure(data)
             text = body["type"] + ": " + body["message"] + "\n" + body["traceback"]
             w.failure = Failure(w.handle.rank, body["type"], body["message"], body["traceback"],
-                                time.monotonic(), secondary=bool(_COMM_ERROR.search(text)))
+                                time.monotonic(), secondary=bool(_COMM_ERROR.search(text)),
+                                hint=body.get("hint", ""))
         else:
             w.result = data
             if self._first_result_at is None:

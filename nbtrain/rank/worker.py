@@ -233,16 +233,22 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
             telemetry.send(Lifecycle(rank=spec.rank, step=ctx.step, t=time.monotonic(),
                                      state="finished"))
     except BaseException as exc:
+        hint = ""
         if ctx is not None:
+            from .oom import diagnose, out_of_memory
+
+            if out_of_memory(exc):  # measured before anything is let go
+                hint = diagnose(ctx)
             try:
                 ctx._close()
             except Exception:
                 pass
-        message = encode_failure(exc, spec.rank, (__file__,))
+        message = encode_failure(exc, spec.rank, (__file__,), hint)
         if telemetry:
+            detail = decode_failure(message)["traceback"] + (f"\n{hint}" if hint else "")
             telemetry.send(Lifecycle(rank=spec.rank, step=ctx.step if ctx else 0,
                                      t=time.monotonic(), state="failed",
-                                     detail=decode_failure(message)["traceback"][-50_000:]))
+                                     detail=detail[-50_000:]))
     if telemetry:
         telemetry.close()  # every event is in the kernel before the result is
     return message

@@ -217,7 +217,7 @@ def _raise(message: bytes) -> None:
     if body["type"] == "KeyboardInterrupt":
         raise KeyboardInterrupt(body["message"])
     raise WorkerError(body["rank"], body["type"], body["message"],
-                      label(body["traceback"], body["rank"]))
+                      label(body["traceback"], body["rank"]), hint=body.get("hint", ""))
 
 
 def _attach(spec: WorkerSpec, run_id: str, name: str, strategy: str) -> TelemetryClient | None:

@@ -222,6 +222,11 @@ class Strategy:
         """This rank's tensors by memory category: ``params``, ``grads``, ``optimizer``."""
         return state.memory_tensors(model, optimizers)
 
+    def sharded(self) -> frozenset[str]:
+        """Which of ``params``, ``grads`` and ``optimizer`` this strategy divides among the
+        ranks at a step's peak (ZeRO's stages): none, for a strategy that keeps them whole."""
+        return frozenset()
+
     def release(self) -> None:
         """After a run in a warm worker (a RankPool): let go of what the strategy keeps
         beyond the run, so the next starts clean."""

@@ -65,6 +65,12 @@ class FSDP(Strategy):
             raise ValueError("shard_size= only applies to hybrid sharding; use strategy "
                              "'fsdp_hybrid' or hybrid=True.")
 
+    def sharded(self) -> frozenset[str]:
+        # reshard_after_forward=False (fsdp_grad_op) keeps the gathered parameters from
+        # forward to backward: at the peak they are whole, as ZeRO-2's are
+        return frozenset({"grads", "optimizer"} | ({"params"} if self.reshard_after_forward
+                                                     else set()))
+
     def check(self, plan: DevicePlan) -> None:
         super().check(plan)
         if self.offload and plan.accelerator != "cuda":

@@ -33,6 +33,9 @@ class Zero1(DDP):
     # Importing it compiles TorchScript (about 1.3 s on 2 cores).
     warm_imports: ClassVar[tuple[str, ...]] = ("torch.distributed.optim",)
 
+    def sharded(self) -> frozenset[str]:
+        return frozenset({"optimizer"})
+
     def setup_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module,
                         ctx: Host) -> torch.optim.Optimizer:
         return to_zero(optimizer, self.parameters_as_bucket_view)

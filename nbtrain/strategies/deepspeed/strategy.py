@@ -106,6 +106,9 @@ class DeepSpeed(Strategy):
         if available():
             import_deepspeed(device.type)
 
+    def sharded(self) -> frozenset[str]:
+        return frozenset(("optimizer", "grads", "params")[:self.stage])
+
     def check(self, plan: DevicePlan) -> None:
         super().check(plan)
         if not available():
