@@ -31,6 +31,18 @@ if TYPE_CHECKING:
     from .telemetry.channel import TelemetryClient
 
 class Context:
+    """``ctx``, what the training function gets on every rank as its first argument.
+
+    Where the rank stands: ``rank``, ``local_rank``, ``world_size``, ``device``,
+    ``is_main``, ``strategy``, ``seed``, ``step``. What it does for the function:
+    ``setup(model, *optimizers)`` (to the device, wrapped by the strategy),
+    ``dataloader(dataset, ...)`` (sharded per rank, batches on the device),
+    ``backward(loss)`` (through the strategy, scaled under fp16), ``log(**metrics)`` (to the
+    dashboard), ``accumulate``/``no_backward_sync``, ``clip_grad_norm_``, ``init_module()``
+    (a model built on the meta device), ``full_state_dict(model)``, ``save``/``load`` and
+    ``resume_from`` (checkpoints that load into any strategy).
+    """
+
     def __init__(self, spec: WorkerSpec, strategy: Strategy,
                  telemetry: TelemetryClient | None = None):
         self.rank = spec.rank

@@ -11,7 +11,7 @@ from pathlib import Path
 from . import strategies
 from .examples.charlm import train_charlm
 from .launch import launch
-from .report import write_report
+from .ui.report import write_report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

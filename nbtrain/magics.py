@@ -15,9 +15,9 @@ Each rank keeps its own namespace across cells, with ``rank``, ``world_size``,
 
 from __future__ import annotations
 
-import shlex
-
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .errors import WorkerError
 from .launch.pool import active_pool
@@ -43,42 +43,21 @@ class PerRank(dict):
         p.text(repr(self))
 
 
-def parse_line(line: str) -> tuple[list[int] | None, float | None]:
-    """``"0,1 --timeout 5"`` -> ``([0, 1], 5.0)``; ranks None means every rank."""
-    ranks = None
-    timeout = None
-    words = shlex.split(line)
-    i = 0
-    while i < len(words):
-        word = words[i]
-        if word in ("--timeout", "-t"):
-            if i + 1 == len(words):
-                raise ValueError(f"--timeout needs a number of seconds. {USAGE}")
-            try:
-                timeout = float(words[i + 1])
-            except ValueError:
-                raise ValueError(f"--timeout {words[i + 1]!r} is not a number. {USAGE}") from None
-            i += 2
-            continue
-        if word.startswith("--timeout="):
-            return parse_line(" ".join([*words[:i], "--timeout", word.split("=", 1)[1],
-                                        *words[i + 1:]]))
-        if ranks is not None:
-            raise ValueError(f"unexpected {word!r}. {USAGE}")
-        if word != "all":
-            try:
-                ranks = [int(r) for r in word.split(",") if r.strip()]
-            except ValueError:
-                raise ValueError(f"{word!r} is not a rank list. {USAGE}") from None
-        i += 1
-    return ranks, timeout
-
-
 @magics_class
 class RankMagics(Magics):
+    @magic_arguments()
+    @argument("ranks", nargs="?", default="all",
+              help="the ranks to run the cell on: all (the default), 0, or 0,1,...")
+    @argument("-t", "--timeout", type=float, default=None, metavar="SECONDS",
+              help="end the cell after this long and name the ranks still in it (a hung "
+                   "collective)")
     @cell_magic
     def ranks(self, line: str, cell: str):
-        """Run the cell on the ranks of the active RankPool (all, or those named)."""
+        """Run the cell on the ranks of the active RankPool (nbtrain.RankPool).
+
+        Each rank keeps its own names across cells, with rank, world_size, device, dist
+        and torch defined; the value of the cell's last expression is shown per rank.
+        """
         ranks, timeout = parse_line(line)
         try:
             values = active_pool().run(cell, ranks=ranks, timeout=timeout)
@@ -87,6 +66,21 @@ class RankMagics(Magics):
         if any(v is not None for v in values.values()):
             return PerRank(values)
         return None
+
+
+def parse_line(line: str) -> tuple[list[int] | None, float | None]:
+    """``"0,1 --timeout 5"`` -> ``([0, 1], 5.0)``; ranks None means every rank. Read by
+    IPython's own argument parser, which also gives ``%%ranks?`` its help."""
+    try:
+        args = parse_argstring(RankMagics.ranks, line)
+    except UsageError as err:
+        raise ValueError(f"{err}. {USAGE}") from None
+    if args.ranks == "all":
+        return None, args.timeout
+    try:
+        return [int(r) for r in args.ranks.split(",") if r.strip()], args.timeout
+    except ValueError:
+        raise ValueError(f"{args.ranks!r} is not a rank list. {USAGE}") from None
 
 
 def load_ipython_extension(ipython) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import os
+import pathlib
 import sys
 import threading
 import time
@@ -23,14 +25,17 @@ from .wire import Outcome, decode_result, first_line, label
 # How runs are shown: a UI registers itself here, so Run depends on no UI.
 #   "attach": (run, dashboard) -> a live view (a sink with .start()) or None
 #   "display": (run) -> None, a finished or live run shown as a cell's value
+#   "report": (runs, path) -> path, an HTML file of finished runs
 _VIEWS: dict[str, Callable[..., Any]] = {}
 DASHBOARDS = (True, False, None, "auto", "widget", "static", "text")
 
 
-def register_views(attach: Callable[..., Any], display: Callable[[Run], None]) -> None:
-    """Make ``attach`` the live view ``launch(dashboard=...)`` gets and ``display`` how a
-    ``Run`` shows itself (``nbtrain.ui`` registers its dashboard when imported)."""
-    _VIEWS.update(attach=attach, display=display)
+def register_views(attach: Callable[..., Any], display: Callable[[Run], None],
+                   report: Callable[..., Any] | None = None) -> None:
+    """Make ``attach`` the live view ``launch(dashboard=...)`` gets, ``display`` how a
+    ``Run`` shows itself and ``report`` how it is saved as HTML (``nbtrain.ui`` registers
+    its own when imported)."""
+    _VIEWS.update(attach=attach, display=display, report=report)
 
 
 _ACTIVE: weakref.WeakSet[Run] = weakref.WeakSet()
@@ -90,14 +95,19 @@ class Run:
     # -- public ------------------------------------------------------------------------
     @property
     def status(self) -> str:
+        """``"starting"`` (ranks joining their process group), ``"running"``, then
+        ``"done"``, ``"failed"`` or ``"stopped"`` (``run.stop()``, an interrupt, a timeout);
+        a run submitted to SLURM is ``"queued"`` first."""
         return self._status
 
     @property
     def done(self) -> bool:
+        """Has the run ended, however it ended (``status`` says how)?"""
         return self._done.is_set()
 
     @property
     def elapsed(self) -> float:
+        """Seconds since the launch; frozen once the run ends."""
         return (self.ended_at or time.monotonic()) - self.started_at
 
     @property
@@ -107,6 +117,8 @@ class Run:
 
     @property
     def error(self) -> BaseException | None:
+        """Why the run failed or stopped (a ``WorkerError``, ``RunTimeoutError``, ...), or
+        None; ``wait()`` and ``results`` raise it."""
         return self._error
 
     @property
@@ -130,6 +142,18 @@ class Run:
     def result(self) -> Any:
         """Rank 0's return value."""
         return self.results[0]
+
+    def save_report(self, path: str | os.PathLike = "nbtrain-report.html") -> pathlib.Path:
+        """This run as one self-contained HTML file at ``path`` (its header, charts and
+        summary; plotly's JavaScript inlined, so it opens without a network); returns the
+        path. Several runs side by side: ``nbtrain.ui.report.write_report(runs, path)``."""
+        if not self.done:
+            raise RuntimeError("run.save_report(): the run is still going; run.wait() first "
+                               "(or run.stop()).")
+        write = _VIEWS.get("report")
+        if write is None:
+            raise RuntimeError("run.save_report() needs nbtrain's UI (import nbtrain).")
+        return write([self], path)
 
     def summary(self) -> Summary:
         """Per rank: peak memory by category, mean step time, throughput, communication

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def test_demo_runs_and_writes_a_self_contained_report(tmp_path, no_leftovers):
     report = tmp_path / "report.html"
@@ -18,7 +20,7 @@ def test_demo_runs_and_writes_a_self_contained_report(tmp_path, no_leftovers):
     assert "<script src=\"http" not in page  # plotly's JavaScript is inlined
     for text in ("<h1>Comparison</h1>", "<h1>ddp</h1>", "<h1>fsdp</h1>",  # one figure each
                  "Model state per rank", "Communication per step", "Step time per rank",
-                 "Logged metrics", "theory", "rank 1", "<pre>"):
+                 "Logged metrics", "theory", "rank 1", "class='nbtrain-summary'"):
         assert text in page, text
     # comparison + one dashboard per run, each drawn (plotly.js 2's own text also
     # spells Plotly.newPlot once)
@@ -35,3 +37,23 @@ def test_demo_help_lists_its_options():
     bad = subprocess.run([sys.executable, "-m", "nbtrain", "demo", "--strategies", "zero9"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "unknown strategy 'zero9'" in bad.stderr
+
+
+def test_a_run_saves_its_own_report(tmp_path, no_leftovers):
+    from workloads import paced, train
+
+    import nbtrain
+
+    run = nbtrain.launch(train, devices=2, accelerator="cpu", dashboard=False)
+    path = run.save_report(tmp_path / "ddp.html")
+    page = path.read_text()
+    assert page.count('class="plotly-graph-div"') == 1 and "<script src=\"http" not in page
+    assert "class='nbtrain-summary'" in page and "rank 1" in page
+    gate = tmp_path / "gate"
+    going = nbtrain.launch(paced, str(gate), devices=2, accelerator="cpu", background=True,
+                           dashboard=False)
+    try:
+        with pytest.raises(RuntimeError, match="still going"):
+            going.save_report(tmp_path / "early.html")
+    finally:
+        going.stop()

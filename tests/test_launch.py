@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -447,3 +448,23 @@ def test_a_gpu_out_of_memory_ranks_the_remedies_by_what_each_saves(monkeypatch):
     assert order == ["strategy", "strategy", "activation_checkpointing", "a smaller batch per "
                      "rank (activations grow with it", "mixed_precision"], hint
     assert "strategy='fsdp'" in hint.split("\n  - ")[1] and "about 4.00 GB less" in hint
+
+
+def test_a_parameter_named_like_a_launch_option_is_told_it_gets_nothing(no_leftovers):
+    """def train(ctx, seed=0): launch(train, seed=42) seeds the ranks; train's own seed
+    stays 0. Said, since it looks like the function got it."""
+    def train_with_seed(ctx, seed=0, timeout=None):
+        return seed, timeout
+
+    with pytest.warns(RuntimeWarning, match=r"seed=42 is launch\(\)'s own option, so "
+                                            r"train_with_seed's parameter 'seed' does not "
+                                            r"receive it \(train_with_seed keeps its default "
+                                            r"0\)"):
+        run = nbtrain.launch(train_with_seed, devices=1, accelerator="cpu", seed=42,
+                             dashboard=False)
+    assert run.result == (0, None) and run.seed == 42
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # nothing passed under those names: nothing said
+        assert nbtrain.launch(train_with_seed, devices=1, accelerator="cpu",
+                              dashboard=False).result == (0, None)
+    assert not [w for w in caught if "own option" in str(w.message)]

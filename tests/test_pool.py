@@ -223,6 +223,8 @@ def test_ranks_line_and_per_rank_display():
     for bad in ("x", "0 1", "--timeout", "--timeout soon"):
         with pytest.raises(ValueError, match="usage"):
             parse_line(bad)
+    from nbtrain.magics import RankMagics  # IPython's parser: %%ranks? shows this help
+    assert "-t SECONDS, --timeout SECONDS" in RankMagics.ranks.__doc__
     shown = repr(PerRank({0: "a\nb", 1: None, 2: "c"}))
     assert shown == "[rank 0] a\n         b\n[rank 2] c"
 

@@ -87,6 +87,13 @@ def test_steps_carry_time_and_samples(runs):
     assert summary.ranks[0].model_bytes == 16 * param_count()
     text = str(summary)
     assert "params MB" in text and "all_reduce/step" in text and "loss" in text
+    # in a notebook: a column per rank, a row per figure (the same cells, never wrapping)
+    page = summary._repr_html_()
+    assert page.count("<tr>") == len(summary._columns())  # the header, then a row each
+    for name, cells in summary._columns()[1:]:
+        assert f"<th style='text-align:left'>{name}</th>" in page, name
+        assert all(f">{cell}</td>" in page for cell in cells)
+    assert "total throughput" in page
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])

@@ -17,7 +17,7 @@ from ..strategies import Strategy
 from ..telemetry.channel import TelemetryServer
 from ..telemetry.settings import Telemetry
 from ..telemetry.sinks import Sink
-from . import start
+from . import calls, start
 from .devices import parse_devices, threads_per_worker
 from .fork import ForkLauncher
 from .forkserver import ForkServerLauncher
@@ -96,6 +96,10 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
     rank raises ``WorkerError`` in its process. ``NBTRAIN_ATTACH=HOST:PORT:TOKEN`` (from
     ``nbtrain.listen()``) streams every rank's events to that notebook.
     """
+    calls.warn_shadowed("launch()", fn, calls.given(
+        launch, devices=devices, strategy=strategy, accelerator=accelerator,
+        start_method=start_method, background=background, timeout=timeout,
+        telemetry=telemetry, sinks=sinks, dashboard=dashboard, resume=resume, seed=seed))
     request = start.check("launch()", fn, args, kwargs, strategy=strategy, timeout=timeout,
                           telemetry=telemetry, sinks=sinks, dashboard=dashboard,
                           resume=resume, seed=seed, background=background)

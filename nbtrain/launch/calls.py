@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Any
 
 from ..rank.worker import CallWithoutCtx
@@ -77,6 +78,41 @@ def bind(who: str, fn, args: tuple, kwargs: dict, strategy: Strategy
             f"ctx, and fn(*args, **kwargs) for one that does not; give {who} the "
             f"arguments {name} takes.")
     return (fn if with_ctx else CallWithoutCtx(fn)), own, strategy
+
+
+def given(api, **values: Any) -> dict[str, Any]:
+    """Of ``values`` (``api``'s own keywords as it received them), those passed with
+    something other than ``api``'s default."""
+    params = inspect.signature(api).parameters
+
+    def default(key, value):
+        d = params[key].default
+        return value is d or (type(value) is type(d) and value == d) or (
+            isinstance(value, (list, tuple)) and not value and not d)
+
+    return {k: v for k, v in values.items() if not default(k, v)}
+
+
+def warn_shadowed(who: str, fn, given: dict[str, Any]) -> None:
+    """``given``: the keywords of ``who``'s own (``timeout``, ``seed``, ``devices``, ...)
+    passed with a value. When ``fn`` has a parameter of the same name it never receives
+    that value (``who`` takes it), and it would silently keep its default: say so."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return
+    name = getattr(fn, "__name__", type(fn).__name__)
+    for key, value in given.items():
+        p = params.get(key)
+        if p is None or p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            continue
+        keeps = ("keeps its default " + repr(p.default) if p.default is not p.empty
+                 else "gets no value")
+        warnings.warn(
+            f"{who}: {key}={value!r} is {who}'s own option, so {name}'s parameter {key!r} "
+            f"does not receive it ({name} {keeps}). To give {name} a {key}, bind it first "
+            f"(functools.partial({name}, {key}=...)) or rename the parameter.",
+            RuntimeWarning, stacklevel=3)
 
 
 def _fits(signature: inspect.Signature, args: tuple, kwargs: dict) -> bool:

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..cells import busy_while_blocking
 from ..wire import decode_json, decode_result
-from . import start
+from . import calls, start
 from .launcher import WorkerHandle, interrupts_deferred
 from .pool_op import INTERRUPT_GRACE_S, STUCK_S, PoolOp, RankCellError, cell_error
 from .supervisor import kill_group
@@ -414,6 +414,9 @@ class RankPool:
         as ``nbtrain.launch`` does (same arguments, except that devices, accelerator and
         start method are the pool's). What the run made is freed on every rank when it
         ends (on CUDA the allocator's cache is emptied too)."""
+        calls.warn_shadowed("pool.launch()", fn, calls.given(
+            RankPool.launch, strategy=strategy, background=background, timeout=timeout,
+            telemetry=telemetry, sinks=sinks, dashboard=dashboard, resume=resume, seed=seed))
         with busy_while_blocking():
             return self._launch(fn, args, kwargs, strategy, background, timeout, telemetry,
                                 sinks, dashboard, resume, seed)

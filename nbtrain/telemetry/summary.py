@@ -3,6 +3,7 @@ step time, throughput, communication per step, last metric values."""
 
 from __future__ import annotations
 
+import html
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,21 +57,28 @@ class Summary:
 
         return pd.DataFrame(self.rows())
 
-    def __str__(self) -> str:
+    def _columns(self) -> list[tuple[str, list[str]]]:
+        """(heading, one cell per rank) for every figure the ranks have."""
         metric_names = list(dict.fromkeys(k for r in self.ranks for k in r.metrics))
         memory_names = [k for k in MEMORY_ORDER if any(k in r.memory for r in self.ranks)]
         ops = list(dict.fromkeys(op for r in self.ranks for op in r.comm_per_step))
-        header = (["rank", "steps", "step ms", "samples/s"] + metric_names
-                  + [f"{k.replace('_host', ' (host)')} MB" for k in memory_names]
-                  + [f"{op}/step" for op in ops])
-        table = [header]
-        for r in self.ranks:
-            table.append(
-                [str(r.rank), str(r.steps), _fmt(r.step_time, 1000, ".1f"),
-                 _fmt(r.samples_per_s, 1, ".0f")]
-                + [_fmt(r.metrics.get(k), 1, ".4g") for k in metric_names]
-                + [_fmt(r.memory.get(k), 1 / 2**20, ".2f") for k in memory_names]
-                + [_comm(r.comm_per_step.get(op)) for op in ops])
+        columns = [("rank", [str(r.rank) for r in self.ranks]),
+                   ("steps", [str(r.steps) for r in self.ranks]),
+                   ("step ms", [_fmt(r.step_time, 1000, ".1f") for r in self.ranks]),
+                   ("samples/s", [_fmt(r.samples_per_s, 1, ".0f") for r in self.ranks])]
+        columns += [(k, [_fmt(r.metrics.get(k), 1, ".4g") for r in self.ranks])
+                    for k in metric_names]
+        columns += [(f"{k.replace('_host', ' (host)')} MB",
+                     [_fmt(r.memory.get(k), 1 / 2**20, ".2f") for r in self.ranks])
+                    for k in memory_names]
+        columns += [(f"{op}/step", [_comm(r.comm_per_step.get(op)) for r in self.ranks])
+                    for op in ops]
+        return columns
+
+    def __str__(self) -> str:
+        columns = self._columns()
+        header = [name for name, _ in columns]
+        table = [header] + [[cells[i] for _, cells in columns] for i in range(len(self.ranks))]
         widths = [max(len(row[i]) for row in table) for i in range(len(header))]
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in table]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -80,6 +88,21 @@ class Summary:
 
     def __repr__(self) -> str:
         return str(self)
+
+    def _repr_html_(self) -> str:
+        """In a notebook: one column per rank, one row per figure, so it never wraps."""
+        columns = self._columns()
+        ranks, rows = columns[0][1], columns[1:]
+        head = "".join(f"<th style='text-align:right'>rank {r}</th>" for r in ranks)
+        body = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(name)}</th>"
+            + "".join(f"<td style='text-align:right'>{html.escape(c)}</td>" for c in cells)
+            + "</tr>" for name, cells in rows)
+        total = (f"<caption style='caption-side:bottom;text-align:left'>total throughput: "
+                 f"{self.samples_per_s:.0f} samples/s</caption>"
+                 if len(self.ranks) > 1 and self.samples_per_s else "")
+        return (f"<table class='nbtrain-summary'>{total}<thead><tr><th></th>{head}</tr>"
+                f"</thead><tbody>{body}</tbody></table>")
 
 
 def _comm(figures: dict[str, float] | None) -> str:

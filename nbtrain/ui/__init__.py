@@ -11,7 +11,7 @@ Modules: ``view`` (what every live view shares: a sink, a drawer thread), ``dash
 (the widget view), ``static`` (views where widgets cannot render: a figure through
 display handles, text), ``series`` (bounded series and the redraw rate limit),
 ``state``, ``figures``, ``header``, ``keeper``, ``livechart``, ``frontend``, ``picker``,
-``compare``, ``progress``, ``theory``.
+``compare``, ``progress``, ``theory``, ``report`` (finished runs as one HTML file).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .compare import Comparison, compare
 from .frontend import choose_mode
 from .picker import StrategyPicker
 from .progress import Progress, progress
+from .report import write_report
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -102,4 +103,4 @@ def _display(run: Run) -> None:
         show_run(run)
 
 
-_run.register_views(attach=attach_dashboard, display=_display)
+_run.register_views(attach=attach_dashboard, display=_display, report=write_report)

@@ -36,6 +36,20 @@ TWIN_STYLE = twin_style("nbtrain-picker", "nbtrain-twin")
 
 
 class StrategyPicker:
+    """A dropdown of strategies with Run and Stop, the live dashboard of the run it
+    started, and, once two or more runs have finished, their comparison (memory by
+    category beside the ZeRO formulas, step time, throughput, communication)::
+
+        picker = nbtrain.StrategyPicker(train, devices=2, lr=3e-4)
+
+    ``fn``, ``*args``, ``devices`` and ``**kwargs`` are what ``nbtrain.launch`` takes; each
+    Run launches them in the background with the chosen strategy, precision and offload.
+    Only the strategies that can run on the devices are offered (``not_offered`` says why
+    the others are not). From code: ``picker.start("fsdp")``, ``picker.stop()``,
+    ``picker.runs`` (every run started, in order), ``picker.run`` (the current or last).
+    After a kernel restart its cell still shows its last run's charts and comparison.
+    """
+
     def __init__(self, fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = "auto",
                  strategies_shown: list[str] | None = None, display: bool = True,
                  **kwargs: Any):

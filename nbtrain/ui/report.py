@@ -10,12 +10,13 @@ from pathlib import Path
 
 
 def write_report(runs, path: str | Path) -> Path:
+    """``runs`` (finished, one or several) as one HTML file at ``path``; returns the path."""
     import plotly.io as pio
 
-    from .ui.compare import compare
-    from .ui.figures import build_figure
-    from .ui.header import error_html, header_html
-    from .ui.state import LiveState
+    from .compare import compare
+    from .figures import build_figure
+    from .header import error_html, header_html
+    from .state import LiveState
 
     path = Path(path)
     parts = []
@@ -31,7 +32,7 @@ def write_report(runs, path: str | Path) -> Path:
         parts += [f"<h1>{html.escape(run.strategy.name)}</h1>", head,
                   pio.to_html(figure, include_plotlyjs=(i == 0 and len(runs) == 1),
                               full_html=False),
-                  f"<pre>{html.escape(str(run.summary()))}</pre>"]
+                  run.summary()._repr_html_()]
     path.write_text("<!doctype html><html><head><meta charset='utf-8'><title>nbtrain report"
                     "</title></head><body style='font-family:sans-serif;margin:2em'>"
                     + "\n".join(parts) + "</body></html>")
