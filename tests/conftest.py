@@ -16,7 +16,7 @@ from nbtrain.launch.devices import cuda_device_count
 # out: real kernels and browsers, the benchmarks' smoke runs, the model zoo, DeepSpeed,
 # fresh venvs, the README's example and the many-starts stress test. CI runs everything.
 SLOW_FILES = {"test_benchmarks.py", "test_models.py", "test_deepspeed.py",
-              "test_fresh_env.py", "test_readme.py", "test_demo.py"}
+              "test_fresh_env.py", "test_docs.py", "test_demo.py"}
 SLOW_TESTS = {"test_ranks_that_return_at_once_never_fail_a_peer_still_joining",
               "test_an_interrupted_run_resumes_where_its_last_checkpoint_was"}
 

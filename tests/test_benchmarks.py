@@ -1,4 +1,4 @@
-"""Every benchmark the README lists runs as pasted, once, with its smallest arguments:
+"""Every benchmark the guide (docs/guide.md) lists runs as pasted, once, with its smallest arguments:
 it starts, finishes and prints its table (CI never measures with them; people do)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
-BLOCK = re.search(r"^## Benchmarks\n.*?^```bash\n(.*?)^```", README, re.S | re.M).group(1)
+GUIDE = (ROOT / "docs" / "guide.md").read_text()
+BLOCK = re.search(r"^## Benchmarks\n.*?^```bash\n(.*?)^```", GUIDE, re.S | re.M).group(1)
 LINES = {re.match(r"python benchmarks/(\S+\.py)", line).group(1): re.sub(r"\s*#.*$", "", line)
          for line in BLOCK.splitlines() if line.strip()}
 
@@ -36,7 +36,7 @@ NEEDS = {"browser.py": "tests/browser/lab.py"}  # what a benchmark needs beyond 
 
 def test_the_readme_lists_every_benchmark():
     on_disk = {p.name for p in (ROOT / "benchmarks").glob("*.py")}
-    assert set(LINES) == on_disk, "list every benchmark in the README's Benchmarks block"
+    assert set(LINES) == on_disk, "list every benchmark in docs/guide.md's Benchmarks block"
     assert set(SMALL) == on_disk, "give every benchmark its smallest arguments here"
 
 

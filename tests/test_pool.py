@@ -323,3 +323,23 @@ def test_quiet_tells_a_sleeping_process_from_a_working_one():
             p.kill()
             p.wait()
         asleep.stdout.close()
+
+
+def test_a_pool_that_cannot_start_says_why_not_that_a_process_was_closed(tmp_path):
+    """A spawned pool made at a script's import: its ranks fail while starting (they import
+    the script again). The error is the pool's, naming the ranks, with their own reason
+    printed above it; it used to be a ValueError ('process object is closed') from
+    killing the process group of a rank already reaped."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "at_import.py"
+    script.write_text("import nbtrain\n"
+                      "pool = nbtrain.RankPool(devices=2, accelerator='cpu', "
+                      "start_method='spawn')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode != 0
+    assert "RankCellError: rank 0 failed" in done.stderr, done.stderr[-2000:]
+    assert "process object is closed" not in done.stderr
+    assert 'Put the launch under `if __name__ == "__main__":`' in done.stderr

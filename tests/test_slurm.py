@@ -258,13 +258,14 @@ def test_a_job_submitted_from_the_notebook_is_watched_and_returns(kernel_clean, 
 
 
 @needs_cluster
-def test_the_readme_submit_example_runs_as_pasted(tmp_path, no_leftovers):
+def test_the_guides_submit_example_runs_as_pasted(tmp_path, no_leftovers):
     import re
 
     readme = (TESTS.parent / "README.md").read_text()
     first = re.search(r"^```python\n(.*?)^```", readme, re.S | re.M).group(1)
     definitions = first.split("\nrun = nbtrain.launch")[0]  # the model, data and train
-    section = readme[readme.index("## From the notebook to a SLURM cluster"):]
+    guide = (TESTS.parent / "docs" / "guide.md").read_text()
+    section = guide[guide.index("## From the notebook to a SLURM cluster"):]
     example = re.search(r"^```python\n(.*?)^```", section, re.S | re.M).group(1)
     script = tmp_path / "example.py"
     script.write_text(definitions + "\n" + example)

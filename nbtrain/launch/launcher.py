@@ -6,7 +6,7 @@ import contextlib
 import os
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..spec import WorkerSpec
@@ -22,10 +22,12 @@ class WorkerHandle:
     out: Any  # Connection wrapping the worker's stdout pipe
     err: Any  # Connection wrapping the worker's stderr pipe
     commands: Any = None  # the write end of its command pipe (the store's port; a pool's commands)
+    # Kept from the start: the process object refuses even .pid once a supervisor closed
+    # it after reaping, and teardown still names the process group by it.
+    pid: int = field(init=False)
 
-    @property
-    def pid(self) -> int:
-        return self.process.pid
+    def __post_init__(self) -> None:
+        self.pid = self.process.pid
 
 
 class Launcher(Protocol):

@@ -124,7 +124,10 @@ class RankPool:
                 raise cell_error(failures, "the pool could not start its process group")
         except BaseException:
             for h in handles:
-                kill_group(h.pid, signal.SIGKILL)
+                # one the op already reaped (and closed) is gone, and its pid may be reused
+                with contextlib.suppress(ValueError):
+                    if h.process.exitcode is None:
+                        kill_group(h.pid, signal.SIGKILL)
             if op is not None:  # interrupted while waiting: let the op see the exits first
                 op.done.wait(5)
             self._end_workers(handles, launcher)
