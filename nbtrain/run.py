@@ -213,8 +213,11 @@ class Run:
         else:
             print(f"{self!r}\n{self.summary()}")
 
-    # -- kernel side plumbing ----------------------------------------------------------
-    def _on_event(self, event: Event) -> None:
+    # -- the port what starts and follows ranks feeds (a supervisor, a pool, torchrun's
+    # ranks, a listener, a SLURM job); nothing else of the run is theirs to touch --------
+    def receive(self, event: Event) -> None:
+        """One telemetry event from a rank: into the history and the sinks (the view);
+        a rank's lifecycle event moves its status."""
         if isinstance(event, Lifecycle) and event.detail:  # a traceback: cells by name
             event = dataclasses.replace(event, detail=cell_names(event.detail))
         self.history.append(event)
@@ -227,8 +230,9 @@ class Run:
                 if self._status in ("starting", "queued") and state == "running":
                     self._status = "running"
 
-    def _emit(self, rank: int, stream: str, line: str) -> None:
-        """One whole line of a worker's output, labelled with its rank."""
+    def write_output(self, rank: int, stream: str, line: str) -> None:
+        """One whole line of a rank's output (``stream``: ``"out"`` or ``"err"``), into the
+        history and the sinks, and to the cell labelled ``[rank N]``."""
         event = Output(rank=rank, step=self._last_step.get(rank, 0), t=time.monotonic(),
                        stream="stdout" if stream == "out" else "stderr", line=line)
         self.history.append(event)
@@ -239,6 +243,13 @@ class Run:
             target.flush()
         except Exception:
             pass
+
+    def queued(self) -> None:
+        """The ranks wait for a scheduler (a SLURM job in its queue): ``status`` says
+        ``"queued"`` until the first rank starts."""
+        with self._lock:
+            if self._status == "starting":
+                self._status = "queued"
 
     def follow(self, outcome: Outcome, cleanup: list) -> None:
         """Follow the ranks' ``outcome`` (a supervisor, a pool's operation, a job) until

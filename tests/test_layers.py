@@ -172,3 +172,16 @@ def test_a_module_that_branched_on_a_strategy_would_be_caught():
                              "sharded = isinstance(strategy, FSDP)\n") == [
         "strategies.fsdp", "isinstance"]
     assert strategy_branches("self.strategy.backward(self._model, loss)\n") == []
+
+
+def test_nothing_outside_run_py_touches_a_runs_private_members():
+    """What starts and follows ranks feeds a Run through its port (receive, write_output,
+    queued, follow); a backend reaching into run._status or run._on_event went around it."""
+    import re
+
+    private = re.compile(r"\brun\._[a-z]\w*")
+    found = [f"{path.relative_to(PACKAGE.parent)}:{n}: {line.strip()}"
+             for path in PACKAGE.rglob("*.py") if path.name != "run.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if private.search(line)]
+    assert found == []

@@ -140,7 +140,7 @@ def _start(run: Run, launcher: Launcher, payload: Any, plan, request: start.Requ
     try:
         server = None
         if request.telemetry.enabled:
-            server = TelemetryServer(run._on_event, host=start.HOST)
+            server = TelemetryServer(run.receive, host=start.HOST)
             ranks = set(range(plan.world_size))
             cleanup.append(lambda: server.drain_and_close(ranks))
         threads = threads_per_worker(plan.world_size)
@@ -158,6 +158,6 @@ def _start(run: Run, launcher: Launcher, payload: Any, plan, request: start.Requ
             close()
         raise
     deadline = time.monotonic() + run.timeout if run.timeout else None
-    supervisor = Supervisor(handles, run._emit, deadline)
+    supervisor = Supervisor(handles, run.write_output, deadline)
     run.follow(supervisor, cleanup)
     supervisor.start()

@@ -460,7 +460,7 @@ class RankPool:
                 run, view = start.open_run(request, self.plan, f"{self.start_method} pool")
                 handover.run = run
                 settings = request.telemetry
-                server = (TelemetryServer(run._on_event, host=start.HOST)
+                server = (TelemetryServer(run.receive, host=start.HOST)
                           if settings.enabled else None)
                 overrides = {"telemetry_address": server.address if server else None,
                              "telemetry_token": server.token if server else "",
@@ -469,7 +469,7 @@ class RankPool:
                 deadline = time.monotonic() + timeout if timeout else None
                 op = self._begin(list(range(self.world_size)),
                                  {"op": "launch", "payload": payload, "run": overrides},
-                                 deadline, emit=run._emit)
+                                 deadline, emit=run.write_output)
             except BaseException:
                 if server is not None:
                     server.close()

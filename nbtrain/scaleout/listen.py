@@ -109,7 +109,7 @@ class _Link:
         if isinstance(event, Lifecycle) and event.state == "failed" and self.job.failure is None:
             exc_type, message = _last_line(event.detail)
             self.job.failure = _RemoteFailure(event.rank, exc_type, message, event.detail)
-        self.job.run._on_event(event)
+        self.job.run.receive(event)
 
     def closed(self) -> None:
         if not self._closed:

@@ -108,7 +108,7 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
         watch.expect(run_id, supervisor)
     run.remote = {"job": job.job_id, "folder": os.path.abspath(os.fspath(folder)),
                   "logs": [str(job.paths.stdout), str(job.paths.stderr)]}
-    run._status = "queued"
+    run.queued()
     run.follow(supervisor, [watch.close] if watch is not None else [])
     if view is not None:
         view.start()

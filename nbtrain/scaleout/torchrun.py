@@ -127,7 +127,7 @@ def run_in_process(request: Request, accelerator: str,
     tee = None
     if request.telemetry.enabled:  # the same on every rank: _attach's collective matches
         remote = _attach(spec, run_id, request.name, strategy.name)
-        tee = _Tee(rank, run._on_event if run is not None else kept.append, remote)
+        tee = _Tee(rank, run.receive if run is not None else kept.append, remote)
     message = execute(spec, (request.fn, request.args, request.kwargs, strategy),
                       telemetry=tee)
     if tee is not None and tee.remote is not None and tee.remote.lost:
@@ -148,7 +148,7 @@ def run_in_process(request: Request, accelerator: str,
         for data in rank_events:
             event = decode(data)
             if event is not None:
-                run._on_event(dataclasses.replace(event, t=event.t + offset))
+                run.receive(dataclasses.replace(event, t=event.t + offset))
     run.follow(_Finished(results), [])
     run.wait()
     return run
