@@ -2,20 +2,24 @@
 
 A rank's control pipe (rank -> kernel) carries one message per ``send_bytes``: a one-byte
 tag, then its body. The kernel's command pipe (kernel -> rank) carries rank 0's ``STORE``
-message on to the other ranks, then (a ``RankPool``'s worker) pickled command dicts.
+message on to the other ranks, then (a ``RankPool``'s worker) its commands.
 
     tag  body                                        sent by
     P    pickle of the function's return value       every rank, last (a result)
     D    dill of it (cell-defined classes)           every rank, last (a result)
-    E    JSON failure: rank, type, module,           every rank, last (a failure)
-         message, traceback
+    E    JSON ``RankFailure``                        every rank, last (a failure)
     S    ASCII port of rank 0's TCPStore             rank 0, at start
     C    nothing: this rank reached the store        every rank, at start
     J    nothing: every rank's group is up           every rank, at start
-    A    JSON activity: collectives, optimizer steps every rank, before a result
+    A    JSON ``Activity``                           every rank, before a result
     R    nothing: a pool worker's group is up        pool workers, at start
-    V    JSON {"repr": str | None} of a cell         pool workers, per command
+    V    JSON ``CellValue``                          pool workers, per command
     M    JSON of what the rank holds (memory)        pool workers, per command
+
+A pool's commands are the dataclasses below (``Exec``, ``LaunchRun``, ``Pull``, ``Push``,
+``MemoryQuery``, ``Exit``), pickled (``encode_command``; ``decode_command`` refuses
+anything else). Every reader decodes through the functions here: a malformed or unknown
+message is a ``ValueError`` that says what arrived, never a ``KeyError`` deep in a reader.
 
 ``Outcome`` is what ``Run`` reads once the ranks are done, whoever ran them: the local
 ``Supervisor``, a pool operation, torchrun's ranks or a watched job.
@@ -47,9 +51,20 @@ MEMORY = b"M"
 Cause = Literal["failure", "stop", "timeout", "remote"] | None
 
 
+class FailureLike(Protocol):
+    """How a rank failed, as ``Run`` reads it (the supervisor's ``Failure``, a remote
+    job's)."""
+
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str
+    hint: str
+
+
 class RankOutcome(Protocol):
     result: bytes | None  # a result message (P or D), once it returned
-    failure: Any  # with rank, exc_type, message, traceback, hint; once it failed
+    failure: FailureLike | None  # once it failed
     exitcode: int | None  # once its process ended here (None: it ran elsewhere)
 
 
@@ -59,7 +74,7 @@ class Reported:
     job's)."""
 
     result: bytes | None = None
-    failure: Any = None
+    failure: FailureLike | None = None
     exitcode: int | None = None
 
 
@@ -145,6 +160,20 @@ def _unpicklable_part(obj: Any, path: str = "the result") -> str:
 
 
 # -- failures -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RankFailure:
+    """A failure message's body: the rank, the exception's type (and module), message and
+    traceback, and the rank's ``hint`` (what to do; an out-of-memory error's measured
+    remedies)."""
+
+    rank: int
+    type: str
+    module: str
+    message: str
+    traceback: str
+    hint: str = ""
+
+
 def encode_failure(exc: BaseException, rank: int, skip: tuple[str, ...] = (),
                    hint: str = "") -> bytes:
     """The failure as JSON; leading frames of the files in ``skip`` (nbtrain's bootstrap)
@@ -153,14 +182,13 @@ def encode_failure(exc: BaseException, rank: int, skip: tuple[str, ...] = (),
     while tb is not None and tb.tb_frame.f_code.co_filename in skip:
         tb = tb.tb_next  # the user's frames only, not nbtrain's bootstrap
     text = "".join(traceback.format_exception(type(exc), exc, tb))
-    body = {"rank": rank, "type": type(exc).__name__, "module": type(exc).__module__,
-            "message": str(exc), "traceback": text, "hint": hint}
-    return FAILURE + json.dumps(body).encode()
+    body = RankFailure(rank, type(exc).__name__, type(exc).__module__, str(exc), text, hint)
+    return FAILURE + json.dumps(dataclasses.asdict(body)).encode()
 
 
-def decode_failure(message: bytes) -> dict:
-    """A failure message's fields: rank, type, module, message, traceback, hint."""
-    return json.loads(message[1:])
+def decode_failure(message: bytes) -> RankFailure:
+    """A failure message (``E``) as a ``RankFailure``."""
+    return _decode(message, FAILURE, RankFailure)
 
 
 def first_line(text: str) -> str:
@@ -173,11 +201,159 @@ def label(text: str, rank: int) -> str:
     return "\n".join(f"[rank {rank}] {line}" for line in text.rstrip().splitlines())
 
 
-# -- the rest -----------------------------------------------------------------------------
-def encode_activity(activity: dict[str, int]) -> bytes:
-    return ACTIVITY + json.dumps(activity).encode()
+# -- what else a rank says ----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Activity:
+    """What the function did (``A``): the collectives it issued on the run's group and
+    the optimizer steps it took."""
+
+    collectives: int = 0
+    optimizer_steps: int = 0
 
 
-def decode_json(message: bytes) -> Any:
-    """The JSON body of an ``A``, ``V`` or ``M`` message."""
-    return json.loads(message[1:])
+def encode_activity(activity: Activity) -> bytes:
+    return ACTIVITY + json.dumps(dataclasses.asdict(activity)).encode()
+
+
+def decode_activity(message: bytes) -> Activity:
+    return _decode(message, ACTIVITY, Activity)
+
+
+@dataclasses.dataclass(frozen=True)
+class CellValue:
+    """A ``%%ranks`` cell's reply (``V``): the repr of its last expression, or None."""
+
+    repr: str | None = None
+
+
+def encode_value(value: CellValue) -> bytes:
+    return VALUE + json.dumps(dataclasses.asdict(value)).encode()
+
+
+def decode_value(message: bytes) -> CellValue:
+    return _decode(message, VALUE, CellValue)
+
+
+def encode_memory(figures: dict[str, int]) -> bytes:
+    return MEMORY + json.dumps(figures).encode()
+
+
+def decode_memory(message: bytes) -> dict[str, int]:
+    """What a pool rank holds (``M``): bytes by name (tensors, RSS, CUDA's figures)."""
+    figures = _json(message, MEMORY)
+    if not isinstance(figures, dict) or not all(isinstance(v, int) for v in figures.values()):
+        raise ValueError(f"a memory message that is not names and byte counts: {figures!r:.200}")
+    return figures
+
+
+def encode_store(port: int) -> bytes:
+    return STORE + str(port).encode()
+
+
+def decode_store(message: bytes) -> int:
+    """Rank 0's store port (``S``)."""
+    if message[:1] != STORE or not message[1:].isdigit():
+        raise ValueError(f"not a store message: {message[:40]!r}")
+    return int(message[1:])
+
+
+def _json(message: bytes, tag: bytes) -> Any:
+    if message[:1] != tag:
+        raise ValueError(f"expected a {tag.decode()!r} message, got {message[:40]!r}")
+    try:
+        return json.loads(message[1:])
+    except ValueError as err:
+        raise ValueError(f"a {tag.decode()!r} message whose body is not JSON: "
+                         f"{message[:80]!r}") from err
+
+
+def _decode(message: bytes, tag: bytes, kind: type):
+    body = _json(message, tag)
+    names = {f.name for f in dataclasses.fields(kind)}
+    if not isinstance(body, dict) or not set(body) <= names:
+        raise ValueError(f"a {tag.decode()!r} message that is not a {kind.__name__}: "
+                         f"{message[:200]!r}")
+    try:
+        return kind(**body)
+    except TypeError as err:  # a field missing
+        raise ValueError(f"a {tag.decode()!r} message that is not a {kind.__name__} "
+                         f"({err}): {message[:200]!r}") from None
+
+
+# -- a RankPool's commands (kernel -> pool worker) ----------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Exec:
+    """A ``%%ranks`` cell: run ``code`` (compiled as ``filename``) in the rank's namespace;
+    the reply is a ``CellValue`` or a failure."""
+
+    code: str
+    filename: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """What a run on a warm rank sets beside the pool's ``WorkerSpec`` (the fields of that
+    name): where its telemetry goes, and its checkpoint and seeds."""
+
+    telemetry_address: tuple[str, int] | None
+    telemetry_token: str
+    telemetry: Any  # nbtrain.Telemetry
+    resume_from: str | None
+    seed: int
+    data_seed: int
+
+    def fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchRun:
+    """``pool.launch``: the function (dill bytes of ``fn``, its arguments and strategy) run
+    as a one-shot worker runs it, with ``settings``; the reply is a result or a failure."""
+
+    payload: bytes
+    settings: RunSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class Pull:
+    """A name of the rank's namespace, out (tensors on CPU): the reply is a result."""
+
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Push:
+    """Names into the rank's namespace (``values``: dill bytes of a dict)."""
+
+    values: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryQuery:
+    """What the rank holds now: the reply is a memory message."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Exit:
+    """Leave the command loop and the process."""
+
+
+Command = Exec | LaunchRun | Pull | Push | MemoryQuery | Exit
+COMMANDS = (Exec, LaunchRun, Pull, Push, MemoryQuery, Exit)
+
+
+def encode_command(command: Command) -> bytes:
+    if not isinstance(command, COMMANDS):
+        raise TypeError(f"not a pool command: {command!r}")
+    return pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_command(data: bytes) -> Command:
+    try:
+        command = pickle.loads(data)
+    except Exception as err:
+        raise ValueError(f"a pool command that does not unpickle: {err}") from None
+    if not isinstance(command, COMMANDS):
+        raise ValueError(f"not a pool command: {type(command).__name__}")
+    return command

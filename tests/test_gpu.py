@@ -19,7 +19,8 @@ from workloads import cpu_and_gpu_collectives, param_count, single_in_worker, tr
 
 import nbtrain
 from nbtrain.checkpoint import exists
-from nbtrain.launch.devices import DevicePlan, cuda_device_count
+from nbtrain.launch.devices import cuda_device_count
+from nbtrain.plan import DevicePlan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_leftovers")]
 

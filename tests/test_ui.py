@@ -491,7 +491,7 @@ def test_failure_is_drawn_before_the_error_reaches_the_caller():
 
 def test_picker_offers_what_runs_on_the_accelerator(monkeypatch):
     from nbtrain import strategies
-    from nbtrain.launch.devices import DevicePlan
+    from nbtrain.plan import DevicePlan
     from nbtrain.strategies import deepspeed
 
     cpu = nbtrain.StrategyPicker(train, devices=2, accelerator="cpu", display=False)

@@ -25,8 +25,8 @@ runs in a worker (``hosted``), nbtrain makes them work, and restores everything 
   ``backward()`` is called on (unscaled when a ``GradScaler`` scaled it). Frameworks'
   own logged metrics come through ``nbtrain.integrations``.
 - **Whether the ranks trained together**: the collectives each rank issued on the
-  run's group and the optimizer steps it took are reported (``wire.ACTIVITY``), and a run
-  whose ranks all stepped without a single collective is told so at the end.
+  run's group and the optimizer steps it took are reported (``wire.Activity``); the
+  kernel tells a run whose ranks all stepped without a single collective so at the end.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-from typing import Any
 
 
 @contextlib.contextmanager
@@ -203,19 +202,3 @@ def observe(ctx, undo: list) -> None:
 
     torch.amp.GradScaler.scale = remembered_scale
     undo.append(lambda: setattr(torch.amp.GradScaler, "scale", scale))
-
-
-def trained_alone(activities: dict[int, dict[str, Any]], world_size: int) -> str | None:
-    """The warning for a run whose ranks all took optimizer steps and none took part in
-    a collective of the run's group; None otherwise."""
-    if world_size < 2 or len(activities) < world_size:
-        return None
-    if all(a.get("optimizer_steps", 0) > 0 and a.get("collectives", 1) == 0
-           for a in activities.values()):
-        return ("nbtrain: each rank trained alone: every rank took optimizer steps and none "
-                f"took part in a collective of the run's {world_size}-rank process group, so "
-                f"these are {world_size} separate trainings on the same data, not one. A "
-                "framework that saw one device does this: Lightning's Trainer(devices='auto') "
-                "or devices=1 on CPU (give devices=WORLD_SIZE and strategy='ddp'), or code "
-                "that made its own single-process setup.")
-    return None

@@ -12,41 +12,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-Accelerator = Literal["cpu", "cuda"]
+from ..plan import Accelerator, DevicePlan
+
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
-
-
-@dataclass(frozen=True)
-class DevicePlan:
-    """Which accelerator and which device indices the run uses (one rank per entry)."""
-
-    accelerator: Accelerator
-    indices: tuple[int, ...]  # GPU indices on CUDA; 0..N-1 on CPU (one process each)
-
-    @property
-    def world_size(self) -> int:
-        return len(self.indices)
-
-    def gpus_without_bf16(self) -> list[str]:
-        """The plan's GPUs that cannot compute in bf16 (before Ampere: T4, V100), named,
-        asked of NVML (initialising CUDA here would make forking unsafe). Empty on CPU or
-        when the driver cannot tell."""
-        if self.accelerator != "cuda":
-            return []
-        found = gpu_capabilities(self.indices)
-        return [f"GPU {i} ({name}, compute capability {major}.{minor})"
-                for i, (name, major, minor) in found.items() if major < 8]
-
-    @property
-    def backend(self) -> str:
-        """The process group's backend. On CUDA, NCCL serves GPU tensors and gloo serves
-        CPU ones (object collectives, checkpoint planning, a user's CPU metrics)."""
-        return "cpu:gloo,cuda:nccl" if self.accelerator == "cuda" else "gloo"
 
 
 @functools.cache
@@ -135,7 +106,7 @@ def parse_devices(devices: int | str | list[int] | tuple[int, ...],
         text = devices.strip()
         if text == "auto":
             count = available if acc == "cuda" else 1
-            return DevicePlan(acc, tuple(range(count)))
+            return _plan(acc, tuple(range(count)))
         if "," in text:
             try:
                 devices = [int(part) for part in text.split(",") if part.strip()]
@@ -150,7 +121,7 @@ def parse_devices(devices: int | str | list[int] | tuple[int, ...],
 
     if isinstance(devices, int):
         if devices == -1:
-            return DevicePlan(acc, tuple(range(available)))
+            return _plan(acc, tuple(range(available)))
         if devices == 0:
             raise ValueError("devices=0 asks for no devices; give at least 1 (or -1 for all).")
         if devices < 0:
@@ -161,7 +132,7 @@ def parse_devices(devices: int | str | list[int] | tuple[int, ...],
                 f"Use devices={available} (or -1 for all), or accelerator='cpu' to run "
                 f"{devices} ranks as CPU processes (gloo): the same DDP and FSDP, to learn "
                 "and test with. If there should be more GPUs, check CUDA_VISIBLE_DEVICES.")
-        return DevicePlan(acc, tuple(range(devices)))
+        return _plan(acc, tuple(range(devices)))
 
     if isinstance(devices, (list, tuple)):
         if not devices:
@@ -177,10 +148,16 @@ def parse_devices(devices: int | str | list[int] | tuple[int, ...],
         if bad:
             raise ValueError(f"devices={list(devices)}: no {what} with index {bad[0]}; this "
                              f"kernel sees {available} (indices 0..{available - 1}).")
-        return DevicePlan(acc, tuple(devices))
+        return _plan(acc, tuple(devices))
 
     raise TypeError(f"devices={devices!r} ({type(devices).__name__}): give an int, a list of "
                     "ints, 'auto' or -1.")
+
+
+def _plan(accelerator: Accelerator, indices: tuple[int, ...]) -> DevicePlan:
+    """A plan, with what NVML says of its GPUs (their names and compute capability)."""
+    gpus = gpu_capabilities(indices) if accelerator == "cuda" else {}
+    return DevicePlan(accelerator, indices, gpus)
 
 
 def threads_per_worker(world_size: int) -> int | None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import pickle
 import signal
 import sys
 import threading
@@ -29,7 +28,20 @@ from collections.abc import Callable
 from typing import Any
 
 from ..cells import busy_while_blocking
-from ..wire import decode_json, decode_result
+from ..wire import (
+    Command,
+    Exec,
+    Exit,
+    LaunchRun,
+    MemoryQuery,
+    Pull,
+    Push,
+    RunSettings,
+    decode_memory,
+    decode_result,
+    decode_value,
+    encode_command,
+)
 from . import calls, start
 from .launcher import WorkerHandle, interrupts_deferred
 from .pool_op import INTERRUPT_GRACE_S, STUCK_S, PoolOp, RankCellError, cell_error
@@ -141,7 +153,7 @@ class RankPool:
             for h in handles:
                 if h.process.exitcode is None:
                     with contextlib.suppress(OSError, ValueError):
-                        h.commands.send_bytes(pickle.dumps({"op": "exit"}))
+                        h.commands.send_bytes(encode_command(Exit()))
             deadline = time.monotonic() + EXIT_GRACE_S
             for h in handles:
                 h.process.join(max(0.0, deadline - time.monotonic()))
@@ -225,7 +237,7 @@ class RankPool:
             self._start()
 
     # -- operations ----------------------------------------------------------------------
-    def _begin(self, ranks: list[int], command: dict | None, deadline: float | None,
+    def _begin(self, ranks: list[int], command: Command | None, deadline: float | None,
                emit=None, join: bool = False) -> PoolOp:
         """Send ``command`` to ``ranks`` and start watching them (no command: wait for
         what they send unasked, the start's READY; ``join``: they are starting their
@@ -236,7 +248,7 @@ class RankPool:
         if command is not None:
             for h in handles:
                 try:
-                    h.commands.send_bytes(pickle.dumps(command))
+                    h.commands.send_bytes(encode_command(command))
                 except OSError:  # it died; the op sees its exit and reports it
                     pass
         self._op = op
@@ -365,15 +377,15 @@ class RankPool:
         if not isinstance(code, str):
             raise TypeError(f"pool.run() takes code as a string; got {type(code).__name__}.")
         self._cells += 1
-        command = {"op": "exec", "code": code, "filename": f"<%%ranks cell {self._cells}>"}
+        command = Exec(code, f"<%%ranks cell {self._cells}>")
         op = self._command(ranks, command, "cell", timeout)
-        return {r: decode_json(w.result)["repr"] for r, w in sorted(op.workers.items())}
+        return {r: decode_value(w.result).repr for r, w in sorted(op.workers.items())}
 
     def pull(self, name: str, ranks: int | list[int] | None = None) -> list[Any]:
         """The value of ``name`` on each rank (tensors moved to CPU), in rank order."""
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"pull({name!r}): give the name of a variable on the ranks.")
-        op = self._command(ranks, {"op": "pull", "name": name}, "pull")
+        op = self._command(ranks, Pull(name), "pull")
         return [decode_result(w.result) for _, w in sorted(op.workers.items())]
 
     def push(self, ranks: int | list[int] | None = None, **values: Any) -> None:
@@ -387,7 +399,7 @@ class RankPool:
         except Exception as err:
             raise TypeError(f"cannot send {sorted(values)} to the ranks: {err}. Send plain "
                             "data (numbers, tensors on CPU, lists, dicts).") from err
-        self._command(ranks, {"op": "push", "values": data}, "push")
+        self._command(ranks, Push(data), "push")
 
     @property
     def status(self) -> PoolStatus:
@@ -400,8 +412,8 @@ class RankPool:
         if busy is None and self._handles and \
                 all(h.process.exitcode is None for h in self._handles):
             with contextlib.suppress(Exception):
-                op = self._command(None, {"op": "memory"}, "status")
-                memory = {r: decode_json(w.result) for r, w in op.workers.items()}
+                op = self._command(None, MemoryQuery(), "status")
+                memory = {r: decode_memory(w.result) for r, w in op.workers.items()}
         for rank in range(self.world_size):
             h = self._handles[rank] if self._handles else None
             alive = h is not None and h.process.exitcode is None
@@ -462,13 +474,13 @@ class RankPool:
                 settings = request.telemetry
                 server = (TelemetryServer(run.receive, host=start.HOST)
                           if settings.enabled else None)
-                overrides = {"telemetry_address": server.address if server else None,
-                             "telemetry_token": server.token if server else "",
-                             "telemetry": settings, "resume_from": request.resume,
-                             "seed": request.base_seed, "data_seed": request.data_seed}
+                run_settings = RunSettings(
+                    telemetry_address=server.address if server else None,
+                    telemetry_token=server.token if server else "", telemetry=settings,
+                    resume_from=request.resume, seed=request.base_seed,
+                    data_seed=request.data_seed)
                 deadline = time.monotonic() + timeout if timeout else None
-                op = self._begin(list(range(self.world_size)),
-                                 {"op": "launch", "payload": payload, "run": overrides},
+                op = self._begin(list(range(self.world_size)), LaunchRun(payload, run_settings),
                                  deadline, emit=run.write_output)
             except BaseException:
                 if server is not None:

@@ -17,8 +17,16 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import signal_hint, signal_name
-from ..integrations.hosting import trained_alone
-from ..wire import ACTIVITY, AT_STORE, FAILURE, JOINED, STORE, decode_failure, decode_json
+from ..wire import (
+    ACTIVITY,
+    AT_STORE,
+    FAILURE,
+    JOINED,
+    STORE,
+    Activity,
+    decode_activity,
+    decode_failure,
+)
 from .launcher import WorkerHandle
 
 FAILURE_GRACE_S = 0.25  # after a first failure, wait this long for the root cause to report
@@ -62,7 +70,7 @@ class _Worker:
     at_store: bool = False  # it reached rank 0's store (wire.AT_STORE)
     joined: bool = False  # its process group is up (wire.JOINED)
     stack: list[str] | None = None  # stderr lines since it was asked for its stack
-    activity: dict | None = None  # what its function did (wire.ACTIVITY)
+    activity: Activity | None = None  # what its function did
     partial: dict[str, str] = field(default_factory=lambda: {"out": "", "err": ""})
 
 
@@ -270,22 +278,27 @@ class Supervisor:
         if tag == AT_STORE:
             w.at_store = True
             return
-        if tag == ACTIVITY:
-            w.activity = decode_json(data)
-            return
         if tag == JOINED:
             w.joined = True
             return
-        if tag == FAILURE:
-            body = decode_failure(data)
-            text = body["type"] + ": " + body["message"] + "\n" + body["traceback"]
-            w.failure = Failure(w.handle.rank, body["type"], body["message"], body["traceback"],
-                                time.monotonic(), secondary=bool(_COMM_ERROR.search(text)),
-                                hint=body.get("hint", ""))
-        else:
-            w.result = data
-            if self._first_result_at is None:
-                self._first_result_at = time.monotonic()
+        try:
+            if tag == ACTIVITY:
+                w.activity = decode_activity(data)
+            elif tag == FAILURE:
+                body = decode_failure(data)
+                text = f"{body.type}: {body.message}\n{body.traceback}"
+                w.failure = Failure(w.handle.rank, body.type, body.message, body.traceback,
+                                    time.monotonic(), secondary=bool(_COMM_ERROR.search(text)),
+                                    hint=body.hint)
+        except ValueError as err:  # not nbtrain's message: the rank's failure, said as such
+            w.failure = Failure(w.handle.rank, "MalformedMessage", str(err), "",
+                                time.monotonic(), hint="nbtrain's rank and kernel disagree on "
+                                "the wire; are both the same nbtrain?")
+        if tag in (ACTIVITY, FAILURE):
+            return
+        w.result = data
+        if self._first_result_at is None:
+            self._first_result_at = time.monotonic()
 
     def _reap(self, w: _Worker) -> bool:
         """Reap a worker that exited and read what it sent last; False if already done."""
@@ -407,3 +420,18 @@ def kill_group(pid: int, sig: int) -> None:
     if alive:
         with contextlib.suppress(OSError):
             os.kill(pid, sig)
+
+
+def trained_alone(activities: dict[int, Activity], world_size: int) -> str | None:
+    """The warning for a run whose ranks all took optimizer steps and none took part in
+    a collective of the run's group; None otherwise."""
+    if world_size < 2 or len(activities) < world_size:
+        return None
+    if all(a.optimizer_steps > 0 and a.collectives == 0 for a in activities.values()):
+        return ("nbtrain: each rank trained alone: every rank took optimizer steps and none "
+                f"took part in a collective of the run's {world_size}-rank process group, so "
+                f"these are {world_size} separate trainings on the same data, not one. A "
+                "framework that saw one device does this: Lightning's Trainer(devices='auto') "
+                "or devices=1 on CPU (give devices=WORLD_SIZE and strategy='ddp'), or code "
+                "that made its own single-process setup.")
+    return None

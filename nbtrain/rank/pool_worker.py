@@ -1,18 +1,18 @@
 """The command loop of a ``RankPool`` worker: started once, it keeps its process group and
 a namespace, and runs what the kernel sends until told to exit.
 
-Commands come on a pipe only the kernel writes (a pickled dict, kernel -> worker); every
-command gets exactly one reply on the control pipe, in the one-shot worker's format
-(``wire.RESULT_*`` / ``wire.FAILURE``) or one of the tags below:
+Commands come on a pipe only the kernel writes (``wire``'s command dataclasses, kernel ->
+worker); every command gets exactly one reply on the control pipe, in the one-shot
+worker's format (a result or a failure) or one of its own:
 
-- ``exec``: a ``%%ranks`` cell's code; the value of its last expression comes back as text
-  (``VALUE`` + JSON), as a REPL would show it.
-- ``launch``: a training function (dill bytes) run with a fresh ``Context`` and a per-run
-  telemetry connection, exactly as ``worker.execute`` runs it in a one-shot worker; then
-  what it made is freed (``free``), so the next run's memory starts clean.
-- ``pull`` / ``push``: a name of the namespace, out (tensors on CPU) or in (dill bytes).
-- ``memory``: what this rank holds now (``MEMORY`` + JSON).
-- ``exit``.
+- ``Exec``: a ``%%ranks`` cell's code; the value of its last expression comes back as text
+  (a ``CellValue``), as a REPL would show it.
+- ``LaunchRun``: a training function (dill bytes) run with a fresh ``Context`` and a
+  per-run telemetry connection, exactly as ``worker.execute`` runs it in a one-shot
+  worker; then what it made is freed (``free``), so the next run's memory starts clean.
+- ``Pull`` / ``Push``: a name of the namespace, out (tensors on CPU) or in (dill bytes).
+- ``MemoryQuery``: what this rank holds now (a memory message).
+- ``Exit``.
 
 An interrupt is a SIGINT from the kernel to this process only; it raises
 KeyboardInterrupt in the user's code while a command runs and is ignored otherwise.
@@ -24,16 +24,28 @@ import ast
 import builtins
 import dataclasses
 import gc
-import json
 import linecache
 import os
-import pickle
 import signal
 import sys
 from typing import Any
 
 from ..spec import WorkerSpec
-from ..wire import MEMORY, READY, VALUE, encode_failure, encode_result
+from ..wire import (
+    READY,
+    CellValue,
+    Exec,
+    Exit,
+    LaunchRun,
+    MemoryQuery,
+    Pull,
+    Push,
+    decode_command,
+    encode_failure,
+    encode_memory,
+    encode_result,
+    encode_value,
+)
 from .worker import _exit, execute, init_distributed, run_as_worker
 
 MAX_REPR = 20_000  # characters of a last expression's repr sent back
@@ -75,15 +87,17 @@ def serve(spec: WorkerSpec, commands, control) -> None:
     while True:
         _State.busy = False
         try:
-            command = pickle.loads(commands.recv_bytes())
+            data = commands.recv_bytes()
         except (EOFError, OSError):  # the kernel closed the pool, or is gone
             _exit(0)
-        if command["op"] == "exit":
-            _exit(0)
+        command = None
         try:
+            command = decode_command(data)
+            if isinstance(command, Exit):
+                _exit(0)
             reply = _handle(spec, command, namespace, control.send_bytes)
-        except BaseException as exc:  # an interrupt that landed between two lines of ours
-            reply = encode_failure(exc, spec.rank, (__file__,))
+        except BaseException as exc:  # an interrupt that landed between two lines of
+            reply = encode_failure(exc, spec.rank, (__file__,))  # ours, or no command
         _State.busy = False
         for stream in (sys.stdout, sys.stderr):  # output before the reply that ends it
             try:
@@ -91,37 +105,35 @@ def serve(spec: WorkerSpec, commands, control) -> None:
             except Exception:
                 pass
         control.send_bytes(reply)
-        if command["op"] == "launch":
+        if isinstance(command, LaunchRun):
             free(spec)
 
 
-def _handle(spec: WorkerSpec, command: dict, namespace: dict, report) -> bytes:
-    op = command["op"]
+def _handle(spec: WorkerSpec, command, namespace: dict, report) -> bytes:
     try:
-        if op == "exec":
-            return VALUE + json.dumps({"repr": run_cell(command["code"], command["filename"],
-                                                        namespace)}).encode()
-        if op == "launch":
-            run_spec = dataclasses.replace(spec, **command["run"])
-            if spec.accelerator == "cuda":  # this run's peak, not a cell's before it
-                import torch
+        match command:
+            case Exec(code=code, filename=filename):
+                return encode_value(CellValue(run_cell(code, filename, namespace)))
+            case LaunchRun(payload=payload, settings=settings):
+                run_spec = dataclasses.replace(spec, **settings.fields())
+                if spec.accelerator == "cuda":  # this run's peak, not a cell's before it
+                    import torch
 
-                torch.cuda.reset_peak_memory_stats()
-            _State.busy = True
-            return execute(run_spec, command["payload"], report=report)
-        if op == "pull":
-            name = command["name"]
-            if name not in namespace:
-                raise NameError(f"name {name!r} is not defined on rank {spec.rank}")
-            return encode_result(namespace[name], spec.rank)
-        if op == "push":
-            import dill
+                    torch.cuda.reset_peak_memory_stats()
+                _State.busy = True
+                return execute(run_spec, payload, report=report)
+            case Pull(name=name):
+                if name not in namespace:
+                    raise NameError(f"name {name!r} is not defined on rank {spec.rank}")
+                return encode_result(namespace[name], spec.rank)
+            case Push(values=values):
+                import dill
 
-            namespace.update(dill.loads(command["values"]))
-            return VALUE + b'{"repr": null}'
-        if op == "memory":
-            return MEMORY + json.dumps(memory(spec)).encode()
-        raise ValueError(f"unknown pool command {op!r}")
+                namespace.update(dill.loads(values))
+                return encode_value(CellValue())
+            case MemoryQuery():
+                return encode_memory(memory(spec))
+        raise ValueError(f"a pool command this rank cannot run: {command!r}")
     except BaseException as exc:
         return encode_failure(exc, spec.rank, (__file__,))
 

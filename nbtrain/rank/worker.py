@@ -31,11 +31,13 @@ from ..wire import (
     AT_STORE,
     FAILURE,
     JOINED,
-    STORE,
+    Activity,
     decode_failure,
+    decode_store,
     encode_activity,
     encode_failure,
     encode_result,
+    encode_store,
 )
 
 
@@ -173,10 +175,10 @@ def init_distributed(spec: WorkerSpec, control, commands) -> None:
         store = dist.TCPStore(spec.store_host, 0, spec.world_size, is_master=True,
                               timeout=timeout, wait_for_workers=False)
         port = store.port
-        control.send_bytes(STORE + str(port).encode())
+        control.send_bytes(encode_store(port))
     else:
         try:
-            port = int(commands.recv_bytes()[len(STORE):])
+            port = decode_store(commands.recv_bytes())
         except EOFError:  # the kernel ended the start (rank 0 failed, an interrupt)
             _exit(1)
         store = dist.TCPStore(spec.store_host, port, spec.world_size, is_master=False,
@@ -227,7 +229,7 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
             result = fn(ctx, *args, **kwargs)
         ctx._close()
         if report is not None:
-            report(encode_activity(activity))
+            report(encode_activity(Activity(**activity)))
         message = encode_result(result, spec.rank)
         if telemetry:
             telemetry.send(Lifecycle(rank=spec.rank, step=ctx.step, t=time.monotonic(),
@@ -245,7 +247,7 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
                 pass
         message = encode_failure(exc, spec.rank, (__file__,), hint)
         if telemetry:
-            detail = decode_failure(message)["traceback"] + (f"\n{hint}" if hint else "")
+            detail = decode_failure(message).traceback + (f"\n{hint}" if hint else "")
             telemetry.send(Lifecycle(rank=spec.rank, step=ctx.step if ctx else 0,
                                      t=time.monotonic(), state="failed",
                                      detail=detail[-50_000:]))

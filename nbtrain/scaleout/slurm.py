@@ -32,6 +32,7 @@ from typing import Any
 
 from ..launch import start
 from ..launch.spawn import serialize
+from ..plan import DevicePlan
 from ..run import Run
 from ..telemetry.settings import Telemetry
 from ..wire import Reported, encode_result
@@ -88,7 +89,7 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
     name = request.name
     with _in_cell(_cell_parent()):
         run, view = start.open_run(dataclasses.replace(request, base_seed=seed),
-                                   _Plan(accelerator, world), "slurm")
+                                   DevicePlan(accelerator, tuple(range(world))), "slurm")
     watch = Watch(listen_host, 0, dashboard=False) if settings.enabled else None
     executor = submitit.SlurmExecutor(folder=os.fspath(folder))
     srun_args = ["--kill-on-bad-exit=1", *params.pop("srun_args", [])]
@@ -114,15 +115,6 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
         view.start()
     supervisor.start()
     return run
-
-
-class _Plan:
-    """What a ``Run`` reads of a device plan, for ranks that run elsewhere."""
-
-    def __init__(self, accelerator: str, world_size: int):
-        self.accelerator = accelerator
-        self.world_size = world_size
-        self.indices = tuple(range(world_size))
 
 
 def _minutes(value) -> int:

@@ -28,8 +28,9 @@ import uuid
 from typing import Any
 
 from ..errors import WorkerError
-from ..launch.devices import DevicePlan, resolve_accelerator
+from ..launch.devices import resolve_accelerator
 from ..launch.start import Request, open_run
+from ..plan import DevicePlan
 from ..rank.worker import execute
 from ..run import Run
 from ..spec import WorkerSpec
@@ -214,10 +215,10 @@ def _leave(dist) -> None:
 
 def _raise(message: bytes) -> None:
     body = decode_failure(message)
-    if body["type"] == "KeyboardInterrupt":
-        raise KeyboardInterrupt(body["message"])
-    raise WorkerError(body["rank"], body["type"], body["message"],
-                      label(body["traceback"], body["rank"]), hint=body.get("hint", ""))
+    if body.type == "KeyboardInterrupt":
+        raise KeyboardInterrupt(body.message)
+    raise WorkerError(body.rank, body.type, body.message, label(body.traceback, body.rank),
+                      hint=body.hint)
 
 
 def _attach(spec: WorkerSpec, run_id: str, name: str, strategy: str) -> TelemetryClient | None:

@@ -15,7 +15,7 @@ from .activation import apply, clean_name, normalize
 from .norms import convert_to_sync
 
 if TYPE_CHECKING:
-    from ..launch.devices import DevicePlan
+    from ..plan import DevicePlan
 
 
 class Host(Protocol):

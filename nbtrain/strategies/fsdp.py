@@ -23,7 +23,7 @@ from . import norms, unused
 from .base import Host, Strategy, checkpointed
 
 if TYPE_CHECKING:
-    from ..launch.devices import DevicePlan
+    from ..plan import DevicePlan
 
 
 @dataclass

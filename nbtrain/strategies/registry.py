@@ -16,7 +16,7 @@ from .fsdp import FSDP
 from .zero import Zero1
 
 if TYPE_CHECKING:
-    from ..launch.devices import DevicePlan
+    from ..plan import DevicePlan
 
 
 @dataclass(frozen=True)
