@@ -131,7 +131,7 @@ class Context:
         self._model = wrapped
         self._optimizers = list(optimizers)
         if self._recorder is not None:
-            self._recorder.watch(wrapped, optimizers)
+            self._recorder.watch(wrapped, optimizers, strategy)
         self._scaler = strategy.grad_scaler(self)
         if self._scaler is not None:
             optimizers = tuple(_ScaledOptimizer(opt, self._scaler, self._step_skipped)

@@ -318,17 +318,9 @@ class Run:
                     others.append(f"rank {rank}: stopped by nbtrain")
                     self.rank_status[rank] = "stopped"
             self.rank_status[root.rank] = "failed"
-            hint = root.hint
-            if (not hint and root.exc_type == "WorkerExit"
-                    and self.start_method in ("spawn", "forkserver")
-                    and workers[root.rank].exitcode == 1):
-                hint = ("A spawned worker that exits with code 1 and no report usually failed "
-                        "while starting, before your function ran; its own traceback is "
-                        "printed above. In a script, the common cause is launching at "
-                        "import: put the launch under `if __name__ == \"__main__\":`.")
             self._error = WorkerError(root.rank, root.exc_type, root.message,
                                       label(cell_names(root.traceback), root.rank), others,
-                                      hint)
+                                      root.hint)
             # launch() showed a live view in this cell: it shows the traceback already
             self._error.shown_in_cell = getattr(self, "_nbtrain_shown_in", None)
             return

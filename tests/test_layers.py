@@ -186,3 +186,20 @@ def test_nothing_outside_run_py_touches_a_runs_private_members():
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if private.search(line)]
     assert found == []
+
+
+def test_no_strategy_or_launcher_name_is_compared_outside_their_rooms():
+    """Differences are answered by their owners (a strategy's sharded(), theory(),
+    collective_probe(); a launcher's threads(), warm(), exit hint), not by names."""
+    import re
+
+    named = re.compile(r"""(==|!=|\bin\s*\(|startswith\()\s*["'](ddp|fsdp|zero|deepspeed|"""
+                       r"""fork|forkserver|spawn)""")
+    own = ("strategies/", "launch/fork.py", "launch/spawn.py", "launch/forkserver.py",
+           "launch/guards.py")
+    found = [f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}"
+             for path in PACKAGE.rglob("*.py")
+             if not str(path.relative_to(PACKAGE)).startswith(own)
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if named.search(line)]
+    assert found == []

@@ -21,7 +21,7 @@ from . import calls, start
 from .devices import parse_devices, threads_per_worker
 from .fork import ForkLauncher
 from .forkserver import ForkServerLauncher
-from .guards import choose_start_method, fork_threads
+from .guards import choose_start_method
 from .launcher import Launcher
 from .spawn import SpawnLauncher
 from .supervisor import Supervisor
@@ -143,9 +143,7 @@ def _start(run: Run, launcher: Launcher, payload: Any, plan, request: start.Requ
             server = TelemetryServer(run.receive, host=start.HOST)
             ranks = set(range(plan.world_size))
             cleanup.append(lambda: server.drain_and_close(ranks))
-        threads = threads_per_worker(plan.world_size)
-        if launcher.name == "fork":
-            threads = fork_threads(threads)
+        threads = launcher.threads(threads_per_worker(plan.world_size))
         specs = start.rank_specs(
             plan, threads=threads,
             pg_timeout=max(60.0, run.timeout) if run.timeout else 600.0,

@@ -10,16 +10,23 @@ import multiprocessing
 from typing import Any
 
 from ..spec import WorkerSpec
+from .guards import fork_threads
 from .launcher import WorkerHandle, start_with_context
 from .warm import warm_kernel
 
 
 class ForkLauncher:
     name = "fork"
-    is_interactive_compatible = True
 
     def __init__(self):
         self._context = multiprocessing.get_context("fork")
+
+    def threads(self, wanted: int | None) -> int | None:
+        """One thread per worker when the kernel's OpenMP pool would hang a fork."""
+        return fork_threads(wanted)
+
+    def warm(self) -> None:
+        warm_kernel()
 
     def prepare(self, fn, args: tuple, kwargs: dict, strategy) -> Any:
         return (fn, args, kwargs, strategy)  # by reference: a forked rank has them all

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..spec import WorkerSpec
 from .launcher import WorkerHandle, start_with_context
-from .spawn import SpawnLauncher
+from .spawn import SpawnLauncher, with_exit_hint
 from .warm import COMMON
 
 # What every worker imports before the user's function runs, imported once in the server.
@@ -106,4 +106,4 @@ class ForkServerLauncher(SpawnLauncher):
         # The server's environment is the kernel's at the server's start; a worker takes
         # the kernel's of now, as a spawned one would. Its parent is the server.
         spec = dataclasses.replace(spec, parent_pid=pid, environ_of_kernel=dict(os.environ))
-        return start_with_context(self._context, spec, payload)
+        return with_exit_hint(start_with_context(self._context, spec, payload))

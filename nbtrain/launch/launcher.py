@@ -22,6 +22,9 @@ class WorkerHandle:
     out: Any  # Connection wrapping the worker's stdout pipe
     err: Any  # Connection wrapping the worker's stderr pipe
     commands: Any = None  # the write end of its command pipe (the store's port; a pool's commands)
+    # What an exit with code 1 and no report usually means for this way of starting
+    # (the launcher says; a spawned worker failing at import, say)
+    exit_hint: str = ""
     # Kept from the start: the process object refuses even .pid once a supervisor closed
     # it after reaping, and teardown still names the process group by it.
     pid: int = field(init=False)
@@ -32,8 +35,13 @@ class WorkerHandle:
 
 class Launcher(Protocol):
     name: str
-    # Whether it can run a function defined in a notebook cell.
-    is_interactive_compatible: bool
+
+    def threads(self, wanted: int | None) -> int | None:
+        """The torch threads each worker may use, given ``wanted`` (None: torch's own
+        choice): what this way of starting allows."""
+
+    def warm(self) -> None:
+        """Before a pool's workers start: what the launcher does once in the kernel."""
 
     def prepare(self, fn, args: tuple, kwargs: dict, strategy) -> Any:
         """What each worker receives as the user's function (checked before any start)."""

@@ -111,18 +111,13 @@ class RankPool:
     def _start(self) -> None:
         from . import LAUNCHERS
         from .devices import threads_per_worker
-        from .guards import fork_threads
-        from .warm import warm_kernel
 
         launcher = LAUNCHERS[self.start_method]()
-        if self.start_method == "fork":
-            warm_kernel()
+        launcher.warm()
         handles: list[WorkerHandle] = []
         op = None
         try:
-            threads = threads_per_worker(self.world_size)
-            if launcher.name == "fork":
-                threads = fork_threads(threads)
+            threads = launcher.threads(threads_per_worker(self.world_size))
             specs = start.rank_specs(self.plan, threads=threads, pg_timeout=self._pg_timeout,
                                      pool=True)
             handles = start.start_ranks(launcher, specs, None)

@@ -158,7 +158,7 @@ class PoolOp(Supervisor):
             return  # we ended it
         self.died.append(h.rank)
         if w.failure is None:
-            w.failure = exit_failure(h.rank, w.exitcode)
+            w.failure = exit_failure(h.rank, w.exitcode, h.exit_hint)
 
     def _drain_output(self) -> None:
         """What is in the pipes now: a worker flushes its output before it replies, so

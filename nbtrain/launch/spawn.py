@@ -21,7 +21,6 @@ from .launcher import WorkerHandle, start_with_context
 
 class SpawnLauncher:
     name = "spawn"
-    is_interactive_compatible = True
 
     # multiprocess starts a resource-tracker process on the first spawn. When nbtrain
     # started it, nbtrain stops it once its last spawn run is over, so the kernel keeps
@@ -48,6 +47,12 @@ class SpawnLauncher:
             if SpawnLauncher._active == 0 and SpawnLauncher._owns_tracker:
                 _stop_tracker(self._tracker)
 
+    def threads(self, wanted: int | None) -> int | None:
+        return wanted  # a new interpreter starts its own thread pool
+
+    def warm(self) -> None:
+        pass
+
     def prepare(self, fn, args: tuple, kwargs: dict, strategy) -> bytes:
         return serialize(fn, args, kwargs, strategy, "spawned workers",
                          "or use start_method='fork'")
@@ -72,7 +77,7 @@ class SpawnLauncher:
         self._tracker.ensure_running()
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            return start_with_context(self._context, spec, payload)
+            return with_exit_hint(start_with_context(self._context, spec, payload))
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
@@ -119,3 +124,15 @@ def serialize(fn, args: tuple, kwargs: dict, strategy, where: str, remedy: str) 
             "that hold open resources (files, sockets, locks, CUDA tensors) cannot be "
             "copied into a new process; create them inside the function, "
             f"{remedy}.") from err
+
+
+# A new interpreter that exits with code 1 before it reports failed while starting.
+EXIT_HINT = ("A spawned worker that exits with code 1 and no report usually failed while "
+             "starting, before your function ran; its own traceback is printed above. In a "
+             "script, the common cause is launching at import: put the launch under "
+             "`if __name__ == \"__main__\":`.")
+
+
+def with_exit_hint(handle: WorkerHandle) -> WorkerHandle:
+    handle.exit_hint = EXIT_HINT
+    return handle

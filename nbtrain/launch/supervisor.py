@@ -323,7 +323,7 @@ class Supervisor:
             return
         if self.teardown_cause == "failure" and w.exitcode < 0:
             return  # we ended it
-        w.failure = exit_failure(h.rank, w.exitcode)
+        w.failure = exit_failure(h.rank, w.exitcode, h.exit_hint)
 
     def _read_output(self, w: _Worker, stream: str) -> bool:
         conn = w.handle.out if stream == "out" else w.handle.err
@@ -383,8 +383,9 @@ class Supervisor:
                 os.close(fd)
 
 
-def exit_failure(rank: int, exitcode: int) -> Failure:
-    """A rank that exited without a report: killed by a signal, or an exit code."""
+def exit_failure(rank: int, exitcode: int, exit_hint: str = "") -> Failure:
+    """A rank that exited without a report: killed by a signal, or an exit code (code 1:
+    ``exit_hint``, what its launcher says that usually means)."""
     if exitcode < 0:
         sig = -exitcode
         return Failure(rank, signal_name(sig),
@@ -392,7 +393,8 @@ def exit_failure(rank: int, exitcode: int) -> Failure:
                        "without a Python traceback", "", time.monotonic(),
                        hint=signal_hint(sig))
     return Failure(rank, "WorkerExit", f"rank {rank} exited with code {exitcode} before "
-                   "returning (os._exit() or a crash in native code?)", "", time.monotonic())
+                   "returning (os._exit() or a crash in native code?)", "", time.monotonic(),
+                   hint=exit_hint if exitcode == 1 else "")
 
 
 def _poll(conn) -> bool:

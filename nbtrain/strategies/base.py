@@ -222,10 +222,28 @@ class Strategy:
         """This rank's tensors by memory category: ``params``, ``grads``, ``optimizer``."""
         return state.memory_tensors(model, optimizers)
 
+    def collective_probe(self, model: nn.Module):
+        """For telemetry: an object whose ``take()`` gives the sizes of the collectives
+        the strategy issued from C++ since the last call (where a Python hook would miss
+        them or cost the step), or None when its collectives go through Python."""
+        return None
+
     def sharded(self) -> frozenset[str]:
         """Which of ``params``, ``grads`` and ``optimizer`` this strategy divides among the
         ranks at a step's peak (ZeRO's stages): none, for a strategy that keeps them whole."""
         return frozenset()
+
+    def shards(self, world_size: int) -> int:
+        """Among how many ranks what it shards is divided (hybrid sharding: a group)."""
+        return world_size
+
+    def theory(self, state: dict[str, float], world_size: int,
+               n_params: int) -> dict[str, float]:
+        """The ZeRO table's row: the bytes of model state one rank holds on its device,
+        given the whole model's ``state`` (``params``, ``grads``, ``optimizer``) of
+        ``n_params`` parameters."""
+        shards = self.shards(world_size)
+        return {k: v / shards if k in self.sharded() else float(v) for k, v in state.items()}
 
     def release(self) -> None:
         """After a run in a warm worker (a RankPool): let go of what the strategy keeps

@@ -71,6 +71,15 @@ class FSDP(Strategy):
         return frozenset({"grads", "optimizer"} | ({"params"} if self.reshard_after_forward
                                                      else set()))
 
+    def shards(self, world_size: int) -> int:
+        return self.mesh_shape(world_size)[1] if self.hybrid else world_size
+
+    def theory(self, state: dict[str, float], world_size: int,
+               n_params: int) -> dict[str, float]:
+        if self.offload:  # the shards live in host memory: ~0 on the device
+            return dict.fromkeys(state, 0.0)
+        return super().theory(state, world_size, n_params)
+
     def check(self, plan: DevicePlan) -> None:
         super().check(plan)
         if self.offload and plan.accelerator != "cuda":

@@ -26,6 +26,11 @@ class Zero1(DDP):
     # Keep each rank's parameters in one flat bucket for the broadcast after the step.
     parameters_as_bucket_view: bool = False
 
+    # Why its ranks hold different amounts (compare() says it beside the range)
+    uneven: ClassVar[str] = (
+        "ZeroRedundancyOptimizer gives each rank the optimizer state of whole parameters, "
+        "so the shares are as even as the parameters' sizes allow; theory assumes an exact "
+        "1/N.")
     description: ClassVar[str] = (
         "ZeRO stage 1: DDP with torch's ZeroRedundancyOptimizer, so each rank keeps the "
         "optimizer state of about 1/N of the parameters; parameters and gradients stay "

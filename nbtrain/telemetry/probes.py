@@ -27,7 +27,8 @@ the user's own) adds
 its op type and logical bytes to a per-step tally. The wrappers cost one Python call
 per collective; torch's ``CommDebugMode`` sees the same ops but intercepts every
 operator, which slows a small model's step by ~2.5x (measured on CPU/gloo). DDP's
-bucket all-reduces run in C++ and are read from DDP's bookkeeping (``DDPBuckets``).
+bucket all-reduces run in C++ and are read from DDP's bookkeeping (the strategy's
+``collective_probe``: ``strategies/ddp.py``).
 """
 
 from __future__ import annotations
@@ -209,38 +210,3 @@ class CommCounter:
         self.counts.clear()
         self.bytes.clear()
         return counts, sizes
-
-
-class DDPBuckets:
-    """DDP's gradient all-reduces, read from DDP's own bookkeeping.
-
-    DDP all-reduces its gradient buckets from C++; routing them through a Python comm
-    hook to count them cost ~4% of a small model's step (measured), so instead each step
-    that synchronised gradients (``require_backward_grad_sync`` at forward time: not a
-    ``no_sync`` micro-step) adds one all-reduce per bucket, with the buckets' bytes from
-    ``_get_ddp_logging_data()`` (read until DDP has rebuilt its buckets after the first
-    step, then cached).
-    """
-
-    def __init__(self, ddp_model: nn.Module):
-        self.model = ddp_model
-        self.synced = False
-        self._sizes: list[int] | None = None
-        ddp_model.register_forward_pre_hook(self._on_forward)
-
-    def _on_forward(self, module, args) -> None:
-        self.synced = self.synced or bool(module.require_backward_grad_sync)
-
-    def take(self) -> list[int]:
-        """Bucket sizes all-reduced since the last call (empty when none were)."""
-        if not self.synced:
-            return []
-        self.synced = False
-        if self._sizes is not None:
-            return self._sizes
-        data = self.model._get_ddp_logging_data()
-        text = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
-        sizes = [int(v) for v in str(text).split(",") if v.strip()]
-        if data.get("has_rebuilt_buckets"):
-            self._sizes = sizes
-        return sizes

@@ -1,7 +1,8 @@
 """Worker side: turns what the training loop does into events, without the user writing
 anything. Step boundaries come from ``ctx.dataloader`` batches (or, without it, from
 optimizer steps); memory is sampled after optimizer steps; collectives are tallied per
-step (DDP's bucket all-reduces from DDP's own bookkeeping, see probes.DDPBuckets). With ``profile_memory``, the forward before a sampled optimizer step is watched
+step (DDP's bucket all-reduces from DDP's own bookkeeping: the strategy's
+``collective_probe``). With ``profile_memory``, the forward before a sampled optimizer step is watched
 for the activations it saves."""
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from .events import Comm, Memory, Metric, Step
 from .probes import (
     ActivationProbe,
     CommCounter,
-    DDPBuckets,
     cuda_memory,
     memory_by_category,
 )
@@ -44,7 +44,7 @@ class Recorder:
         self._samples = 0
         self._epoch = (0, 0)  # (epoch, batches per epoch) of the step in progress
         self.total_steps = 0  # ctx.total_steps
-        self._ddp: DDPBuckets | None = None
+        self._ddp = None  # the strategy's collective probe (DDP's buckets), if any
         self._opt_steps = 0
         self._opt_end = 0.0  # when the last optimizer step finished
         self._batches_seen = False
@@ -54,12 +54,12 @@ class Recorder:
         self._activation_bytes: int | None = None
         self._pending: list[tuple[int, float, dict[str, Any]]] = []  # metrics not sent yet
 
-    def watch(self, model: nn.Module, optimizers) -> None:
+    def watch(self, model: nn.Module, optimizers, strategy=None) -> None:
         self._watched_at = time.monotonic()  # without ctx.dataloader, step 0 starts here
         self._model = model
         self._optimizers = list(optimizers)
-        if isinstance(model, nn.parallel.DistributedDataParallel) and self.comm:
-            self._ddp = DDPBuckets(model)
+        if strategy is not None and self.comm:
+            self._ddp = strategy.collective_probe(model)
         if self._optimizers:
             self._optimizers[0].register_step_post_hook(self._after_optimizer_step)
         if self._activations is not None:

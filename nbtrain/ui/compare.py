@@ -11,9 +11,10 @@ that); see ``nbtrain.ui.theory``.
 
 from __future__ import annotations
 
+import contextlib
 import html
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..cells import mark_shown, shown_here
 from ..telemetry.summary import Summary
@@ -24,7 +25,7 @@ from .figures import (
     collective_color,
     unit_for,
 )
-from .theory import CATEGORIES, FOOTNOTE, known, n_params_from_memory, theoretical_bytes
+from .theory import CATEGORIES, FOOTNOTE, n_params_from_memory, theoretical_bytes
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -49,6 +50,7 @@ class Row:
     comm: dict[str, float] = field(default_factory=dict)  # op -> bytes per step (rank 0)
     theory: dict[str, float] | None = None
     status: str = "done"
+    chosen: Any = None  # the run's Strategy (or its name, for a run watched from afar)
 
     @property
     def model_bytes(self) -> int:
@@ -153,9 +155,11 @@ class Comparison:
         self.rows = self._rows(show_progress)
         self.n_params = n_params if n_params is not None else self._derive_n_params()
         for row in self.rows:
-            if self.n_params and row.strategy in known():
-                row.theory = theoretical_bytes(row.strategy, self.n_params, row.world_size,
-                                               optimizer=optimizer, precision="fp32")
+            if self.n_params:
+                with contextlib.suppress(ValueError):  # a strategy without a theory line
+                    row.theory = theoretical_bytes(row.chosen, self.n_params,
+                                                   row.world_size, optimizer=optimizer,
+                                                   precision="fp32")
 
     def _rows(self, show_progress: bool = False) -> list[Row]:
         from .progress import Progress
@@ -171,17 +175,20 @@ class Comparison:
             times = [r.step_time for r in summary.ranks if r.step_time]
             comm = {op: f["bytes"] for op, f in (summary.ranks[0].comm_per_step
                                                  if summary.ranks else {}).items()}
-            rows.append(Row(label, run.strategy.name, run.world_size,
-                            [dict(r.memory) for r in summary.ranks],
+            rows.append(Row(label, getattr(run.strategy, "name", str(run.strategy)),
+                            run.world_size, [dict(r.memory) for r in summary.ranks],
                             sum(times) / len(times) if times else None,
-                            summary.samples_per_s or None, comm, status=run.status))
+                            summary.samples_per_s or None, comm, status=run.status,
+                            chosen=run.strategy))
         return rows
 
     def _derive_n_params(self) -> int | None:
-        ranked = sorted(self.rows, key=lambda r: not r.strategy.startswith("ddp"))
+        # a run that keeps the parameters whole says Ψ exactly; shards are padded
+        ranked = sorted(self.rows, key=lambda r: "params" in getattr(r.chosen, "sharded",
+                                                                     frozenset)())
         for row in ranked:
             if any(m.get("params") for m in row.memory):
-                n = n_params_from_memory(row.strategy, [m.get("params", 0) for m in row.memory])
+                n = n_params_from_memory(row.chosen, [m.get("params", 0) for m in row.memory])
                 if n:
                     return n
         return None
@@ -215,9 +222,8 @@ class Comparison:
         for r in self.rows:
             if not r.uneven:
                 continue
-            why = (" ZeroRedundancyOptimizer gives each rank the optimizer state of whole "
-                   "parameters, so the shares are as even as the parameters' sizes allow; "
-                   "theory assumes an exact 1/N." if r.strategy == "zero1" else "")
+            why = getattr(r.chosen, "uneven", "")
+            why = f" {why}" if why else ""
             out.append(f"{r.label}: ranks held {_fmt_bytes(r.least_bytes)} to "
                        f"{_fmt_bytes(r.model_bytes)} of model state (the largest is "
                        f"compared).{why}")

@@ -34,30 +34,6 @@ _PRECISION_BYTES = {"fp32": 4, "mixed": 4, "bf16": 2, "fp16": 2}
 _OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "rmsprop": 1,
                      "adagrad": 1}
 
-# strategy name -> which of params, grads, optimizer are divided by the shard count.
-_SHARDED = {
-    "single": (False, False, False),
-    "ddp": (False, False, False),
-    "ddp_notebook": (False, False, False),
-    "ddp_spawn": (False, False, False),
-    "zero1": (False, False, True),
-    "zero2": (False, True, True),
-    "fsdp_grad_op": (False, True, True),
-    "zero3": (True, True, True),
-    "fsdp": (True, True, True),
-    "fsdp_hybrid": (True, True, True),
-    "fsdp_offload": (True, True, True),
-    # DeepSpeed (Lightning's names): it also keeps an fp32 master partition, 4Ψ/N, counted
-    # with the optimizer (as the ZeRO paper does), even when training in fp32
-    "deepspeed_stage_1": (False, False, True),
-    "deepspeed": (False, True, True),
-    "deepspeed_stage_2": (False, True, True),
-    "deepspeed_stage_2_offload": (False, True, True),
-    "deepspeed_stage_3": (True, True, True),
-    "deepspeed_stage_3_offload": (True, True, True),
-}
-MASTER_BYTES = 4  # DeepSpeed's fp32 master copy, per parameter, sharded
-
 CATEGORIES = ("params", "grads", "optimizer")
 
 FOOTNOTE = (
@@ -74,29 +50,45 @@ FOOTNOTE = (
 
 
 def known() -> list[str]:
-    return list(_SHARDED)
+    """The strategies with a theory line: every registered one, and ``"single"`` (one
+    process, nothing shared)."""
+    from .. import strategies
+
+    return ["single", *strategies.names()]
 
 
-def theoretical_bytes(strategy_name: str, n_params: int, world_size: int,
+def _strategy(strategy):
+    """A Strategy from a name or a Strategy; None for ``"single"``."""
+    from .. import strategies
+
+    if strategy == "single":
+        return None
+    if isinstance(strategy, str):
+        if strategy.lower() not in strategies.names():
+            raise ValueError(f"no theory for strategy {strategy!r}; known: "
+                             f"{', '.join(known())}.")
+        return strategies.get(strategy.lower())
+    return strategy
+
+
+def theoretical_bytes(strategy, n_params: int, world_size: int,
                       optimizer: str = "adam", precision: str = "fp32",
                       shard_size: int | None = None) -> dict[str, float]:
     """``{"params", "grads", "optimizer"}``: bytes one rank holds in theory.
 
     Args:
-        strategy_name: a strategy name (``known()``), e.g. ``"ddp"``, ``"fsdp"``.
+        strategy: a strategy (``run.strategy``) or its name (``known()``), e.g.
+            ``"ddp"``, ``"fsdp"``; each strategy gives its own row (``Strategy.theory``).
         n_params: Ψ, the model's parameter count.
         world_size: N, the number of ranks.
         optimizer: ``"adam"``/``"adamw"`` (2 states), ``"sgd"`` (none),
             ``"sgd_momentum"``, ``"rmsprop"``, ``"adagrad"`` (1 state).
         precision: ``"fp32"`` or ``"mixed"`` (fp32 master weights; 4 bytes), ``"bf16"``
             or ``"fp16"`` (parameters stored in half precision; 2 bytes).
-        shard_size: ranks per shard group for ``fsdp_hybrid`` (default: the largest
-            proper divisor of N, as nbtrain's hybrid strategy picks).
+        shard_size: ranks per shard group, for a hybrid strategy given by name (default:
+            the largest proper divisor of N, as nbtrain's hybrid strategy picks).
     """
-    name = strategy_name.lower() if isinstance(strategy_name, str) else strategy_name
-    if name not in _SHARDED:
-        raise ValueError(f"no theory for strategy {strategy_name!r}; known: "
-                         f"{', '.join(_SHARDED)}.")
+    chosen = _strategy(strategy)
     if isinstance(n_params, bool) or not isinstance(n_params, int) or n_params < 0:
         raise TypeError(f"n_params={n_params!r} must be a parameter count (int >= 0).")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -108,31 +100,33 @@ def theoretical_bytes(strategy_name: str, n_params: int, world_size: int,
     width = _PRECISION_BYTES[precision]
     full = {"params": width * n_params, "grads": width * n_params,
             "optimizer": _OPTIMIZER_STATES[optimizer] * width * n_params}
-    if name == "fsdp_offload":
-        return dict.fromkeys(CATEGORIES, 0.0)
-    shards = world_size
-    if name == "fsdp_hybrid":
-        shards = shard_size or max([d for d in range(1, world_size) if world_size % d == 0]
-                                   or [1])
-        if world_size % shards:
-            raise ValueError(f"shard_size={shards} must divide world_size={world_size}.")
-    if name.startswith("deepspeed"):
-        full["optimizer"] += MASTER_BYTES * n_params
-    return {cat: full[cat] / shards if sharded else float(full[cat])
-            for cat, sharded in zip(CATEGORIES, _SHARDED[name], strict=True)}
+    if chosen is None:
+        return {k: float(v) for k, v in full.items()}
+    if shard_size is not None and hasattr(chosen, "shard_size"):
+        import dataclasses
+
+        chosen = dataclasses.replace(chosen, shard_size=shard_size)
+    return chosen.theory(full, world_size, n_params)
 
 
-def n_params_from_memory(strategy_name: str, params_bytes_per_rank: list[int],
+def n_params_from_memory(strategy, params_bytes_per_rank: list[int],
                          precision: str = "fp32") -> int | None:
     """Ψ from measured parameter bytes: a replicated strategy's (DDP) bytes on one rank,
     or the sum of a sharded strategy's local shards over ranks (padding makes this a
     slight overestimate), divided by the bytes per parameter. None when it cannot tell."""
-    name = strategy_name.lower()
-    if name not in _SHARDED or not params_bytes_per_rank or name == "fsdp_offload":
+    try:
+        chosen = _strategy(strategy)
+    except ValueError:
+        return None
+    if not params_bytes_per_rank:
         return None
     width = _PRECISION_BYTES.get(precision, 4)
-    if not _SHARDED[name][0]:
+    world = len(params_bytes_per_rank)
+    if chosen is not None and not chosen.theory(dict.fromkeys(CATEGORIES, 1.0), world,
+                                                1)["params"]:
+        return None  # its parameters live in host memory (offload)
+    if chosen is None or "params" not in chosen.sharded():
         return round(params_bytes_per_rank[0] / width)
-    if name == "fsdp_hybrid":
+    if chosen.shards(world) != world:
         return None  # replicas hold the same shards; the sum would count them twice
     return round(sum(params_bytes_per_rank) / width)

@@ -109,6 +109,13 @@ class DeepSpeed(Strategy):
     def sharded(self) -> frozenset[str]:
         return frozenset(("optimizer", "grads", "params")[:self.stage])
 
+    def theory(self, state: dict[str, float], world_size: int,
+               n_params: int) -> dict[str, float]:
+        # DeepSpeed keeps an fp32 master partition beside the optimizer's moments (4Ψ/N,
+        # counted with the optimizer as the ZeRO paper does), even when training in fp32
+        with_master = {**state, "optimizer": state["optimizer"] + 4 * n_params}
+        return super().theory(with_master, world_size, n_params)
+
     def check(self, plan: DevicePlan) -> None:
         super().check(plan)
         if not available():
