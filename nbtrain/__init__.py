@@ -12,6 +12,7 @@ from .errors import RunStoppedError, RunTimeoutError, WorkerError, remember_cell
 from .launch import culprit, launch
 from .launch.pool import RankPool
 from .run import Run, last_run
+from .scaleout import torchrun as _torchrun  # noqa: F401  (launch() under torchrun)
 from .scaleout.listen import listen
 from .scaleout.slurm import submit
 from .telemetry.settings import Telemetry

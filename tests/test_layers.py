@@ -203,3 +203,12 @@ def test_no_strategy_or_launcher_name_is_compared_outside_their_rooms():
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if named.search(line)]
     assert found == []
+
+
+def test_launch_and_scaleout_do_not_import_each_other():
+    """Scale-out registers its in-process backend with launch/start.py; launch/ imports
+    nothing of scaleout/ (scaleout/ builds on launch/'s start path)."""
+    graph = import_graph()
+    launch_to_scaleout = {(m, t) for m, targets in graph.items() if m.startswith("nbtrain.launch")
+                          for t in targets if t.startswith("nbtrain.scaleout")}
+    assert launch_to_scaleout == set()

@@ -10,9 +10,6 @@ from typing import Any
 
 from ..cells import busy_while_blocking
 from ..run import Run
-from ..scaleout import clusters
-from ..scaleout.torchrun import detected as under_torchrun
-from ..scaleout.torchrun import run_in_process
 from ..strategies import Strategy
 from ..telemetry.channel import TelemetryServer
 from ..telemetry.settings import Telemetry
@@ -104,10 +101,10 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
                           telemetry=telemetry, sinks=sinks, dashboard=dashboard,
                           resume=resume, seed=seed, background=background)
     # Ranks started by torchrun or a cluster (SLURM's srun, LSF's jsrun, Kubeflow): this
-    # process is one; rank 0 picks the base seed there, and tells the others.
-    started_by = "torchrun" if under_torchrun() else clusters.adopt()
-    if started_by:
-        return run_in_process(request, accelerator, started_by)
+    # process is one, and a scale-out backend runs the function here (scaleout/).
+    taken, result = start.in_process(request, accelerator)
+    if taken:
+        return result
     with busy_while_blocking():  # from here, widget traffic must not read as "Idle"
         return _launch(request, devices, accelerator, start_method)
 

@@ -93,6 +93,28 @@ def _resume_path(resume) -> str | None:
     return path
 
 
+# What runs a launch in this process instead of starting ranks, when this process is one
+# already (torchrun's, SLURM's srun, LSF's jsrun, Kubeflow's): scaleout/torchrun.py
+# registers itself here, so launch/ does not import scale-out. Each returns
+# (True, what launch() returns) when it took the request, else (False, None).
+InProcess = Callable[[Request, str], tuple[bool, Any]]
+_IN_PROCESS: list[InProcess] = []
+
+
+def register_in_process(backend: InProcess) -> None:
+    if backend not in _IN_PROCESS:
+        _IN_PROCESS.append(backend)
+
+
+def in_process(request: Request, accelerator: str) -> tuple[bool, Any]:
+    """Whether a registered backend ran ``request`` in this process, and its result."""
+    for backend in _IN_PROCESS:
+        taken, result = backend(request, accelerator)
+        if taken:
+            return True, result
+    return False, None
+
+
 def open_run(request: Request, plan, started_by: str):
     """The run's ``Run`` and, unless turned off, its view (the header shows now; nothing
     heavy is built before the ranks start)."""

@@ -49,7 +49,7 @@ def listen(host: str = "127.0.0.1", port: int = 0, dashboard: bool | str = "auto
 
 
 @dataclass
-class _RemoteFailure:
+class RemoteFailure:
     """A rank's failure as the job reported it (what ``Run`` reads to raise WorkerError)."""
 
     rank: int
@@ -59,7 +59,7 @@ class _RemoteFailure:
     hint: str = ""
 
 
-class _Job:
+class Job:
     """One attached run: the ``Run`` the notebook holds, and the job's open connections
     (what ``Run`` reads from a supervisor)."""
 
@@ -71,7 +71,7 @@ class _Job:
         self.run = run
         self.done = threading.Event()
         self.workers: dict[int, Any] = {}
-        self.failure: _RemoteFailure | None = None
+        self.failure: RemoteFailure | None = None
         self._open = 0
         self._lock = threading.Lock()
 
@@ -87,7 +87,7 @@ class _Job:
         if ended:
             self.done.set()
 
-    def root_failure(self) -> _RemoteFailure | None:
+    def root_failure(self) -> RemoteFailure | None:
         return self.failure
 
     def request_stop(self, reason: str) -> None:
@@ -98,7 +98,7 @@ class _Job:
 class _Link:
     """One rank's connection: its events, moved onto this kernel's clock, to the run."""
 
-    def __init__(self, job: _Job, rank: int, offset: float):
+    def __init__(self, job: Job, rank: int, offset: float):
         self.job, self.rank, self.offset = job, rank, offset
         self._closed = False
 
@@ -108,7 +108,7 @@ class _Link:
         event = dataclasses.replace(event, t=event.t + self.offset)
         if isinstance(event, Lifecycle) and event.state == "failed" and self.job.failure is None:
             exc_type, message = _last_line(event.detail)
-            self.job.failure = _RemoteFailure(event.rank, exc_type, message, event.detail)
+            self.job.failure = RemoteFailure(event.rank, exc_type, message, event.detail)
         self.job.run.receive(event)
 
     def closed(self) -> None:
@@ -128,10 +128,10 @@ class Watch:
             raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, "
                              "False, or force one view: 'widget', 'static' or 'text'.")
         self.dashboard = dashboard
-        self._jobs: dict[str, _Job] = {}
-        self._expected: dict[str, _Job] = {}  # runs made here before their job attaches
+        self._jobs: dict[str, Job] = {}
+        self._expected: dict[str, Job] = {}  # runs made here before their job attaches
         self._lock = threading.Lock()
-        self._cell = _cell_parent()  # views of attaching runs show in listen()'s cell
+        self._cell = cell_parent()  # views of attaching runs show in listen()'s cell
         self._server = TelemetryServer(host=host, port=port, on_hello=self._hello)
         bound, bound_port = self._server.address
         self.address = format_address(_reachable(host, bound), bound_port, self._server.token)
@@ -167,7 +167,7 @@ class Watch:
 
         return compare(*[r for r in self.runs if r.status == "done"], **options)
 
-    def expect(self, run_id: str, job: _Job) -> None:
+    def expect(self, run_id: str, job: Job) -> None:
         """The ranks that say ``run_id`` belong to ``job`` (its ``Run`` made already, by
         ``nbtrain.submit``), not to a new run."""
         with self._lock:
@@ -206,15 +206,15 @@ class Watch:
             return None
         return job.link(rank, offset)
 
-    def _new_job(self, hello: dict, world_size: int) -> _Job:
+    def _new_job(self, hello: dict, world_size: int) -> Job:
         plan = SimpleNamespace(accelerator=str(hello.get("accelerator", "cpu")),
                                indices=tuple(range(world_size)), world_size=world_size)
         run = Run(str(hello.get("name", "fn")), _strategy(hello.get("strategy")), plan,
                   "torchrun", None, seed=hello.get("seed"))
         run.remote = {"host": hello.get("host"), "run": hello["run"]}
-        job = _Job(run)
+        job = Job(run)
         if self.dashboard is not False:
-            with _in_cell(self._cell):
+            with in_cell(self._cell):
                 view = run.open_view(self.dashboard)
             if view is not None:
                 view.start()
@@ -265,7 +265,7 @@ def _reachable(host: str, bound: str) -> str:
     return name if address.startswith("127.") else address
 
 
-def _cell_parent():
+def cell_parent():
     """The running cell's message header in an ipykernel (where displays go), else None."""
     if "IPython" not in sys.modules:
         return None
@@ -276,7 +276,7 @@ def _cell_parent():
     return dict(header) or None if header is not None else None
 
 
-class _in_cell:
+class in_cell:
     """Displays from this thread go to the cell ``parent``: ipykernel's thread parent, or
     in older ipykernels (6.17: Colab, Kaggle), its one parent, set for the moment."""
 

@@ -36,7 +36,7 @@ from ..plan import DevicePlan
 from ..run import Run
 from ..telemetry.settings import Telemetry
 from ..wire import Reported, encode_result
-from .listen import Watch, _cell_parent, _in_cell, _Job, _RemoteFailure
+from .listen import Job, RemoteFailure, Watch, cell_parent, in_cell
 from .torchrun import ATTACH_ENV, RUN_ID_ENV
 
 __all__ = ["submit"]
@@ -87,7 +87,7 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
     world = nodes * devices
     run_id = uuid.uuid4().hex[:12]
     name = request.name
-    with _in_cell(_cell_parent()):
+    with in_cell(cell_parent()):
         run, view = start.open_run(dataclasses.replace(request, base_seed=seed),
                                    DevicePlan(accelerator, tuple(range(world))), "slurm")
     watch = Watch(listen_host, 0, dashboard=False) if settings.enabled else None
@@ -163,9 +163,9 @@ def _task(payload: bytes, accelerator: str, settings: Telemetry, seed: int | Non
     return None if run is None else run.results
 
 
-class _SlurmJob(_Job):
+class _SlurmJob(Job):
     """The submitted job as ``Run`` reads a supervisor: its ranks' events arrive through
-    the listener (``_Job``'s links); its state and results come from SLURM and submitit."""
+    the listener (``Job``'s links); its state and results come from SLURM and submitit."""
 
     teardown_cause = None
     note = None
@@ -227,17 +227,17 @@ class _SlurmJob(_Job):
                 if self.failure is not None and self.failure.rank != rank:
                     continue  # ended with the job when the failing rank did (srun -K)
                 if self.failure is None:
-                    self.failure = _RemoteFailure(
+                    self.failure = RemoteFailure(
                         rank, type(err).__name__, _exception_line(str(err)), str(err)[-20_000:],
                         hint=f"The job's logs: {', '.join(self.run.remote['logs'])}")
                 self.workers[rank].failure = self.failure if self.failure.rank == rank \
-                    else _RemoteFailure(rank, type(err).__name__, _exception_line(str(err)), "")
+                    else RemoteFailure(rank, type(err).__name__, _exception_line(str(err)), "")
                 continue
             if rank == 0 and value is not None:
                 for r, result in enumerate(value):
                     self.workers[r].result = encode_result(result, r)
         if self.failure is None and any(w.result is None for w in self.workers.values()):
-            self.failure = _RemoteFailure(
+            self.failure = RemoteFailure(
                 0, "JobEnded", "the SLURM job ended without every rank's result",
                 "", hint=f"The job's logs: {', '.join(self.run.remote['logs'])}")
 

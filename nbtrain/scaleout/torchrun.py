@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import WorkerError
 from ..launch.devices import resolve_accelerator
-from ..launch.start import Request, open_run
+from ..launch.start import Request, open_run, register_in_process
 from ..plan import DevicePlan
 from ..rank.worker import execute
 from ..run import Run
@@ -37,6 +37,7 @@ from ..spec import WorkerSpec
 from ..telemetry.channel import TelemetryClient, parse_address
 from ..telemetry.events import Event, decode, encode
 from ..wire import FAILURE, Reported, decode_failure, label
+from . import clusters
 
 ATTACH_ENV = "NBTRAIN_ATTACH"
 RUN_ID_ENV = "NBTRAIN_RUN_ID"  # the run's id for the listener (nbtrain.submit sets it)
@@ -275,3 +276,15 @@ def _shown(address: str) -> str:
 
 
 __all__ = ["ATTACH_ENV", "detected", "run_in_process"]
+
+
+def _in_process(request: Request, accelerator: str) -> tuple[bool, Run | None]:
+    """launch()'s question (``start.in_process``): is this process a rank already? Rank 0
+    picks the base seed there, and tells the others."""
+    started_by = "torchrun" if detected() else clusters.adopt()
+    if not started_by:
+        return False, None
+    return True, run_in_process(request, accelerator, started_by)
+
+
+register_in_process(_in_process)
