@@ -87,6 +87,9 @@ class Outcome(Protocol):
     timed_out_ranks: Sequence[int]  # the ranks still busy, when it is "timeout"
     crash: BaseException | None  # nbtrain's own failure while running them
 
+    def start(self) -> None:
+        """Begin following the ranks (once the run follows this; again: nothing)."""
+
     def root_failure(self) -> Any:
         """The failure that ended the run (the first rank's own), or None."""
 

@@ -102,23 +102,14 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
                           resume=resume, seed=seed, background=background)
     # Ranks started by torchrun or a cluster (SLURM's srun, LSF's jsrun, Kubeflow): this
     # process is one, and a scale-out backend runs the function here (scaleout/).
-    taken, result = start.in_process(request, accelerator)
-    if taken:
-        return result
+    found = start.in_process(accelerator)
+    if found is not None:
+        backend, plan = found
+        return start.execute(request, plan, backend)
     with busy_while_blocking():  # from here, widget traffic must not read as "Idle"
-        return _launch(request, devices, accelerator, start_method)
-
-
-def _launch(request: start.Request, devices, accelerator: str, start_method: str) -> Run:
-    plan = parse_devices(devices, accelerator)
-    request.strategy.check(plan)
-    method = _start_method(start_method, request.strategy, plan.accelerator)
-    launcher = LAUNCHERS[method]()
-    payload = launcher.prepare(request.fn, request.args, request.kwargs, request.strategy)
-    run, view = start.open_run(request, plan, method)
-    with start.handing_over(run):
-        _start(run, launcher, payload, plan, request)
-    return start.finish(run, view, request.background)
+        plan = parse_devices(devices, accelerator)
+        method = _start_method(start_method, request.strategy, plan.accelerator)
+        return start.execute(request, plan, OneShot(method))
 
 
 def _start_method(requested: str, strategy: Strategy, accelerator: str) -> str:
@@ -130,29 +121,49 @@ def _start_method(requested: str, strategy: Strategy, accelerator: str) -> str:
     return choose_start_method(preferred or requested, accelerator)
 
 
-def _start(run: Run, launcher: Launcher, payload: Any, plan, request: start.Request) -> None:
-    """Start every rank (rank 0 hosts the rendezvous store: see ``rank/worker.py``) and
-    hand them to a ``Supervisor``, which passes the store's port on and watches them join."""
-    cleanup: list[Callable[[], None]] = [launcher.close]
-    try:
-        server = None
-        if request.telemetry.enabled:
-            server = TelemetryServer(run.receive, host=start.HOST)
-            ranks = set(range(plan.world_size))
-            cleanup.append(lambda: server.drain_and_close(ranks))
-        threads = launcher.threads(threads_per_worker(plan.world_size))
-        specs = start.rank_specs(
-            plan, threads=threads,
-            pg_timeout=max(60.0, run.timeout) if run.timeout else 600.0,
-            telemetry_address=server.address if server else None,
-            token=server.token if server else "", telemetry=request.telemetry,
-            resume=request.resume, seed=run.seed, data_seed=request.data_seed)
-        handles = start.start_ranks(launcher, specs, payload)
-    except BaseException:
-        for close in cleanup:
-            close()
-        raise
-    deadline = time.monotonic() + run.timeout if run.timeout else None
-    supervisor = Supervisor(handles, run.write_output, deadline)
-    run.follow(supervisor, cleanup)
-    supervisor.start()
+class OneShot:
+    """A launch's ranks on this machine: started by the launcher of ``method`` (rank 0
+    hosts the rendezvous store: see ``rank/worker.py``), followed by a ``Supervisor``
+    until they end, which passes the store's port on and watches them join."""
+
+    blocking = False
+    returns_run = True
+    stop_timeout = 10.0
+
+    def __init__(self, method: str):
+        self.started_by = method
+        self.launcher: Launcher = LAUNCHERS[method]()
+        self.payload: Any = None
+
+    def prepare(self, request: start.Request, plan) -> start.Request:
+        # what each rank receives, checked now (a spawned rank needs it picklable)
+        self.payload = self.launcher.prepare(request.fn, request.args, request.kwargs,
+                                             request.strategy)
+        return request
+
+    def start(self, request: start.Request, plan, run: Run):
+        launcher = self.launcher
+        cleanup: list[Callable[[], None]] = [launcher.close]
+        try:
+            server = None
+            if request.telemetry.enabled:
+                server = TelemetryServer(run.receive, host=start.HOST)
+                ranks = set(range(plan.world_size))
+                cleanup.append(lambda: server.drain_and_close(ranks))
+            threads = launcher.threads(threads_per_worker(plan.world_size))
+            specs = start.rank_specs(
+                plan, threads=threads,
+                pg_timeout=max(60.0, run.timeout) if run.timeout else 600.0,
+                telemetry_address=server.address if server else None,
+                token=server.token if server else "", telemetry=request.telemetry,
+                resume=request.resume, seed=run.seed, data_seed=request.data_seed)
+            handles = start.start_ranks(launcher, specs, self.payload)
+        except BaseException:
+            for close in cleanup:
+                close()
+            raise
+        deadline = time.monotonic() + run.timeout if run.timeout else None
+        return Supervisor(handles, run.write_output, deadline), cleanup
+
+    def abandon(self) -> None:
+        pass  # nothing is held before start()

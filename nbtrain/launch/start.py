@@ -1,12 +1,23 @@
-"""The one start path: what ``launch()``, ``RankPool`` (its start and ``pool.launch``), the
-picker (through ``launch()``), torchrun's ranks and a SLURM submission share.
+"""The one path every run walks, whatever starts its ranks.
+
+``launch()``, ``RankPool.launch()`` (and the picker, through ``launch()``), torchrun's
+ranks and ``nbtrain.submit`` each make a checked ``Request`` (``check``), a device plan
+and a ``Backend``, and hand them to ``execute``:
 
     request = check("launch()", fn, args, kwargs, strategy=..., ...)   # before anything
-    run, view = open_run(request, plan, "fork")      # the Run, its header in the cell
-    specs = rank_specs(plan, ...)                    # one WorkerSpec per rank
-    handles = start_ranks(launcher, specs, payload)  # all started, or none left
-    ... a Supervisor (or a PoolOp) takes the handles; run.follow(it, cleanup)
-    return finish(run, view, request.background)     # the figure, then wait in the cell
+    run = execute(request, plan, backend)
+      request = backend.prepare(request, plan)   # its own checks; what it decides first
+      request.strategy.check(plan)               # can the strategy run on these devices
+      run, view = open_run(request, plan, ...)   # the Run, its header in the cell
+      outcome, cleanup = backend.start(request, plan, run)   # the ranks start
+      run.follow(outcome, cleanup); outcome.start()          # and are followed
+      finish(run, view, request.background)      # the figure, then wait in the cell
+
+The backends: ``launch/__init__.py``'s ``OneShot`` (a launcher starts the ranks, a
+``Supervisor`` follows them), ``launch/pool.py``'s warm ranks (a ``PoolOp``),
+``scaleout/torchrun.py``'s rank in this process (registered here: ``in_process``), and
+``scaleout/slurm.py``'s job. ``rank_specs`` and ``start_ranks`` are what the two local
+backends share.
 """
 
 from __future__ import annotations
@@ -17,13 +28,14 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from .. import seeding, strategies
 from ..run import DASHBOARDS, Run
 from ..spec import WorkerSpec
 from ..strategies import Strategy
 from ..telemetry.settings import Telemetry
+from ..wire import Outcome
 from . import calls
 from .launcher import Launcher, WorkerHandle, interrupts_deferred
 from .supervisor import kill_group
@@ -93,26 +105,77 @@ def _resume_path(resume) -> str | None:
     return path
 
 
+class Backend(Protocol):
+    """What starts a run's ranks and follows them (see the module docstring)."""
+
+    started_by: str  # what run.start_method says: "fork", "spawn pool", "torchrun", ...
+    stop_timeout: float  # how long stopping the run may take
+    blocking: bool  # start() runs the ranks to their end here (a rank in this process)
+    returns_run: bool  # execute() gives the Run back (False: a torchrun rank but 0)
+
+    def prepare(self, request: Request, plan) -> Request:
+        """Its own checks, before anything is shown; what it decides for the whole run
+        (a job-wide seed) goes into the request it returns."""
+
+    def start(self, request: Request, plan, run: Run) -> tuple[Outcome, list[Callable]]:
+        """Start the ranks; what ``run`` follows them with, and what to close after."""
+
+    def abandon(self) -> None:
+        """``start`` was not reached or failed: let go of what ``prepare`` took."""
+
+
+def execute(request: Request, plan, backend: Backend) -> Run | None:
+    """The path every run walks: the backend's checks and the strategy's, the Run and its
+    view, the ranks started and handed to the run as one step (an interrupt meanwhile
+    stops the run), then the wait in the cell (or the run at once, in the background)."""
+    try:
+        request = backend.prepare(request, plan)
+        request.strategy.check(plan)
+        run, view = open_run(request, plan, backend.started_by)
+    except BaseException:
+        backend.abandon()
+        raise
+    if backend.blocking:  # the ranks run to their end in start(): draw while they do
+        if view is not None:
+            view.start()
+            view = None
+        outcome, cleanup = backend.start(request, plan, run)
+        run.follow(outcome, cleanup)
+        outcome.start()
+    else:
+        with handing_over(run, backend.stop_timeout):
+            try:
+                outcome, cleanup = backend.start(request, plan, run)
+            except BaseException:
+                backend.abandon()
+                raise
+            run.follow(outcome, cleanup)
+            outcome.start()
+    run = finish(run, view, request.background, backend.stop_timeout)
+    return run if backend.returns_run else None
+
+
 # What runs a launch in this process instead of starting ranks, when this process is one
 # already (torchrun's, SLURM's srun, LSF's jsrun, Kubeflow's): scaleout/torchrun.py
-# registers itself here, so launch/ does not import scale-out. Each returns
-# (True, what launch() returns) when it took the request, else (False, None).
-InProcess = Callable[[Request, str], tuple[bool, Any]]
+# registers itself here, so launch/ does not import scale-out. Each returns the backend
+# and the plan when this process is such a rank, else None.
+InProcess = Callable[[str], "tuple[Backend, Any] | None"]
 _IN_PROCESS: list[InProcess] = []
 
 
-def register_in_process(backend: InProcess) -> None:
-    if backend not in _IN_PROCESS:
-        _IN_PROCESS.append(backend)
+def register_in_process(detect: InProcess) -> None:
+    if detect not in _IN_PROCESS:
+        _IN_PROCESS.append(detect)
 
 
-def in_process(request: Request, accelerator: str) -> tuple[bool, Any]:
-    """Whether a registered backend ran ``request`` in this process, and its result."""
-    for backend in _IN_PROCESS:
-        taken, result = backend(request, accelerator)
-        if taken:
-            return True, result
-    return False, None
+def in_process(accelerator: str) -> tuple[Backend, Any] | None:
+    """The registered backend (and its plan) that runs a launch as this process's rank,
+    or None: ranks are to be started."""
+    for detect in _IN_PROCESS:
+        found = detect(accelerator)
+        if found is not None:
+            return found
+    return None
 
 
 def open_run(request: Request, plan, started_by: str):

@@ -100,7 +100,8 @@ class Supervisor:
         self._thread = threading.Thread(target=self._main, name="nbtrain-supervisor", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        if not self._thread.is_alive() and self._thread.ident is None:
+            self._thread.start()
 
     def request_stop(self, reason: str) -> None:
         self._stop_requested = reason

@@ -36,7 +36,7 @@ from ..plan import DevicePlan
 from ..run import Run
 from ..telemetry.settings import Telemetry
 from ..wire import Reported, encode_result
-from .listen import Job, RemoteFailure, Watch, cell_parent, in_cell
+from .listen import Job, RemoteFailure, Watch
 from .torchrun import ATTACH_ENV, RUN_ID_ENV
 
 __all__ = ["submit"]
@@ -73,8 +73,8 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
             raise ValueError(f"{name}={value!r}: give a positive number of "
                              f"{'nodes' if name == 'nodes' else 'ranks per node'}.")
     request = start.check("submit()", fn, args, kwargs, strategy=strategy,
-                          telemetry=telemetry, dashboard=dashboard, seed=seed)
-    settings = request.telemetry
+                          telemetry=telemetry, dashboard=dashboard, seed=seed,
+                          background=True)  # it returns at once: run.wait() blocks
     params = _sbatch_params(dict(slurm or {}))
     if accelerator == "auto":
         accelerator = "cuda" if params.get("gpus_per_node") else "cpu"
@@ -82,39 +82,64 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
         raise ValueError(f"accelerator={accelerator!r}: use 'auto', 'cuda' or 'cpu'.")
     if accelerator == "cuda":
         params.setdefault("gpus_per_node", devices)
-    payload = serialize(request.fn, request.args, request.kwargs, request.strategy,
-                        "a SLURM job", "or define what it needs inside the function")
-    world = nodes * devices
-    run_id = uuid.uuid4().hex[:12]
-    name = request.name
-    with in_cell(cell_parent()):
-        run, view = start.open_run(dataclasses.replace(request, base_seed=seed),
-                                   DevicePlan(accelerator, tuple(range(world))), "slurm")
-    watch = Watch(listen_host, 0, dashboard=False) if settings.enabled else None
-    executor = submitit.SlurmExecutor(folder=os.fspath(folder))
-    srun_args = ["--kill-on-bad-exit=1", *params.pop("srun_args", [])]
-    executor.update_parameters(nodes=nodes, ntasks_per_node=devices, srun_args=srun_args,
-                               job_name=params.pop("job_name", f"nbtrain-{name}"), **params)
-    environ = {RUN_ID_ENV: run_id}
-    if watch is not None:
-        environ[ATTACH_ENV] = watch.address
-    try:
-        job = executor.submit(_task, payload, accelerator, settings, seed, environ)
-    except Exception:
+    plan = DevicePlan(accelerator, tuple(range(nodes * devices)))
+    backend = _Submission(submitit, nodes, devices, params, folder, listen_host, seed)
+    return start.execute(request, plan, backend)
+
+
+class _Submission:
+    """``submit``'s backend on the one start path (``start.execute``): the function goes
+    to SLURM as a job of ``nodes`` x ``devices`` tasks (``_task``), whose ranks attach to
+    a listener here; a ``_SlurmJob`` follows it through SLURM's queue to its results."""
+
+    started_by = "slurm"
+    stop_timeout = 10.0
+    blocking = False
+    returns_run = True
+
+    def __init__(self, submitit, nodes: int, devices: int, params: dict, folder,
+                 listen_host: str, seed: int | None):
+        self.submitit, self.nodes, self.devices = submitit, nodes, devices
+        self.params, self.folder, self.listen_host, self.seed = params, folder, listen_host, seed
+        self.payload: bytes | None = None
+
+    def prepare(self, request: start.Request, plan: DevicePlan) -> start.Request:
+        self.payload = serialize(request.fn, request.args, request.kwargs, request.strategy,
+                                 "a SLURM job", "or define what it needs inside the function")
+        # the job's rank 0 draws the base seed when none is given: the run says so
+        return dataclasses.replace(request, base_seed=self.seed)
+
+    def start(self, request: start.Request, plan: DevicePlan, run: Run):
+        settings = request.telemetry
+        run_id = uuid.uuid4().hex[:12]
+        watch = Watch(self.listen_host, 0, dashboard=False) if settings.enabled else None
+        params = dict(self.params)
+        executor = self.submitit.SlurmExecutor(folder=os.fspath(self.folder))
+        srun_args = ["--kill-on-bad-exit=1", *params.pop("srun_args", [])]
+        executor.update_parameters(nodes=self.nodes, ntasks_per_node=self.devices,
+                                   srun_args=srun_args,
+                                   job_name=params.pop("job_name", f"nbtrain-{request.name}"),
+                                   **params)
+        environ = {RUN_ID_ENV: run_id}
         if watch is not None:
-            watch.close()
-        raise
-    supervisor = _SlurmJob(run, job, world, watch)
-    if watch is not None:
-        watch.expect(run_id, supervisor)
-    run.remote = {"job": job.job_id, "folder": os.path.abspath(os.fspath(folder)),
-                  "logs": [str(job.paths.stdout), str(job.paths.stderr)]}
-    run.queued()
-    run.follow(supervisor, [watch.close] if watch is not None else [])
-    if view is not None:
-        view.start()
-    supervisor.start()
-    return run
+            environ[ATTACH_ENV] = watch.address
+        try:
+            job = executor.submit(_task, self.payload, plan.accelerator, settings, self.seed,
+                                  environ)
+        except Exception:
+            if watch is not None:
+                watch.close()
+            raise
+        supervisor = _SlurmJob(run, job, plan.world_size, watch)
+        if watch is not None:
+            watch.expect(run_id, supervisor)
+        run.remote = {"job": job.job_id, "folder": os.path.abspath(os.fspath(self.folder)),
+                      "logs": [str(job.paths.stdout), str(job.paths.stderr)]}
+        run.queued()
+        return supervisor, [watch.close] if watch is not None else []
+
+    def abandon(self) -> None:
+        pass
 
 
 def _minutes(value) -> int:
@@ -178,7 +203,8 @@ class _SlurmJob(Job):
         self._thread = threading.Thread(target=self._poll, name="nbtrain-slurm", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        if self._thread.ident is None:
+            self._thread.start()
 
     def unlink(self) -> None:
         """A rank's connection closed: its job still decides when the run ends."""

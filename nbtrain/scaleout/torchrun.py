@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import WorkerError
 from ..launch.devices import resolve_accelerator
-from ..launch.start import Request, open_run, register_in_process
+from ..launch.start import Request, register_in_process
 from ..plan import DevicePlan
 from ..rank.worker import execute
 from ..run import Run
@@ -64,6 +64,9 @@ class _Finished:
         self.done.set()
         self.workers = {rank: Reported(data) for rank, data in enumerate(results)}
 
+    def start(self) -> None:
+        pass  # nothing to follow: they ran
+
     def root_failure(self):
         return None
 
@@ -91,69 +94,81 @@ class _Tee:
             self.remote.close()
 
 
-def run_in_process(request: Request, accelerator: str,
-                   started_by: str = "torchrun") -> Run | None:
-    """``fn(ctx, *args, **kwargs)`` as this process's rank; see the module docstring."""
-    import torch.distributed as dist
+class InProcessRank:
+    """``launch()`` in a process torchrun (or srun, jsrun, a PyTorchJob) started: this
+    process is one rank. ``fn(ctx, *args, **kwargs)`` runs here, to its end, inside
+    ``start``; rank 0's ``Run`` gets every rank's results and events, gathered (the other
+    ranks' ``launch()`` returns None). See the module docstring."""
 
-    env = os.environ
-    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
-    local_rank = int(env["LOCAL_RANK"])
-    acc = resolve_accelerator(accelerator)
-    plan = DevicePlan(acc, tuple(range(world_size)))
-    strategy = request.strategy
-    strategy.check(plan)
-    pg_timeout = 1800.0
-    _join(plan, local_rank, pg_timeout)  # kept for a later launch(); torchrun ends it
-    # One base seed and run id for the whole job, drawn on rank 0.
-    # (nbtrain.submit names the run, so the notebook's listener knows it as its own.)
-    run_id = env.get(RUN_ID_ENV) or uuid.uuid4().hex[:12]
-    shared = [request.base_seed, run_id] if rank == 0 else [None, None]
-    dist.broadcast_object_list(shared, src=0)
-    base_seed, run_id = shared
-    spec = WorkerSpec(
-        rank=rank, local_rank=local_rank, world_size=world_size, accelerator=acc,
-        device_index=local_rank if acc == "cuda" else None, backend=plan.backend,
-        store_host=env["MASTER_ADDR"], store_port=int(env["MASTER_PORT"]),
-        telemetry_address=None, telemetry_token="", num_threads=None,
-        pg_timeout_s=pg_timeout, parent_pid=os.getppid(), die_with_parent=False,
-        telemetry=request.telemetry, resume_from=request.resume, seed=base_seed,
-        data_seed=request.data_seed)
-    run = None
-    kept: list[Event] = []
-    if rank == 0:
-        run, view = open_run(dataclasses.replace(request, base_seed=base_seed), plan,
-                             started_by)
-        if view is not None:
-            view.start()
-    tee = None
-    if request.telemetry.enabled:  # the same on every rank: _attach's collective matches
-        remote = _attach(spec, run_id, request.name, strategy.name)
-        tee = _Tee(rank, run.receive if run is not None else kept.append, remote)
-    message = execute(spec, (request.fn, request.args, request.kwargs, strategy),
-                      telemetry=tee)
-    if tee is not None and tee.remote is not None and tee.remote.lost:
-        print(f"nbtrain: rank {rank} lost the listener at {_shown(os.environ[ATTACH_ENV])} "
-              f"mid-run ({tee.remote.lost}); training went on without it.",
-              file=sys.stderr, flush=True)
-    if message[:1] == FAILURE:
-        _raise(message)
-    gathered = _gather_to_rank0(
-        (message, time.monotonic(), [encode(e) for e in kept]), rank, world_size)
-    if run is None:
-        return None
-    results = [m for m, _, _ in gathered]
-    events = [(then, rank_events) for _, then, rank_events in gathered]
-    now = time.monotonic()
-    for then, rank_events in events[1:]:
-        offset = now - then  # onto rank 0's clock (other hosts have their own)
-        for data in rank_events:
-            event = decode(data)
-            if event is not None:
-                run.receive(dataclasses.replace(event, t=event.t + offset))
-    run.follow(_Finished(results), [])
-    run.wait()
-    return run
+    blocking = True
+    stop_timeout = 10.0
+
+    def __init__(self, started_by: str, env=os.environ):
+        self.started_by = started_by
+        self.rank, self.world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        self.local_rank = int(env["LOCAL_RANK"])
+        self.returns_run = self.rank == 0
+        self.run_id = ""
+        self.pg_timeout = 1800.0
+
+    def plan(self, accelerator: str) -> DevicePlan:
+        return DevicePlan(resolve_accelerator(accelerator), tuple(range(self.world_size)))
+
+    def prepare(self, request: Request, plan: DevicePlan) -> Request:
+        import torch.distributed as dist
+
+        request.strategy.check(plan)  # before the group: a wrong strategy fails alone
+        _join(plan, self.local_rank, self.pg_timeout)  # kept for a later launch()
+        # One base seed and run id for the whole job, drawn on rank 0 (nbtrain.submit
+        # names the run, so the notebook's listener knows it as its own).
+        run_id = os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:12]
+        shared = [request.base_seed, run_id] if self.rank == 0 else [None, None]
+        dist.broadcast_object_list(shared, src=0)
+        base_seed, self.run_id = shared
+        # only rank 0 shows the run; the others keep its events to gather them there
+        return dataclasses.replace(request, base_seed=base_seed,
+                                   dashboard=request.dashboard if self.rank == 0 else False)
+
+    def start(self, request: Request, plan: DevicePlan, run: Run):
+        env = os.environ
+        rank, world_size = self.rank, self.world_size
+        spec = WorkerSpec(
+            rank=rank, local_rank=self.local_rank, world_size=world_size,
+            accelerator=plan.accelerator,
+            device_index=self.local_rank if plan.accelerator == "cuda" else None,
+            backend=plan.backend, store_host=env["MASTER_ADDR"],
+            store_port=int(env["MASTER_PORT"]), telemetry_address=None, telemetry_token="",
+            num_threads=None, pg_timeout_s=self.pg_timeout, parent_pid=os.getppid(),
+            die_with_parent=False, telemetry=request.telemetry, resume_from=request.resume,
+            seed=request.base_seed, data_seed=request.data_seed)
+        kept: list[Event] = []
+        tee = None
+        if request.telemetry.enabled:  # the same on every rank: _attach's collective matches
+            remote = _attach(spec, self.run_id, request.name, request.strategy.name)
+            tee = _Tee(rank, run.receive if rank == 0 else kept.append, remote)
+        message = execute(spec, (request.fn, request.args, request.kwargs, request.strategy),
+                          telemetry=tee)
+        if tee is not None and tee.remote is not None and tee.remote.lost:
+            print(f"nbtrain: rank {rank} lost the listener at {_shown(env[ATTACH_ENV])} "
+                  f"mid-run ({tee.remote.lost}); training went on without it.",
+                  file=sys.stderr, flush=True)
+        if message[:1] == FAILURE:
+            _raise(message)
+        gathered = _gather_to_rank0(
+            (message, time.monotonic(), [encode(e) for e in kept]), rank, world_size)
+        if rank != 0:  # its Run is a shell nobody reads (launch() returns None here)
+            return _Finished([message] * world_size), []
+        now = time.monotonic()
+        for then, rank_events in [(then, events) for _, then, events in gathered][1:]:
+            offset = now - then  # onto rank 0's clock (other hosts have their own)
+            for data in rank_events:
+                event = decode(data)
+                if event is not None:
+                    run.receive(dataclasses.replace(event, t=event.t + offset))
+        return _Finished([m for m, _, _ in gathered]), []
+
+    def abandon(self) -> None:
+        pass
 
 
 # The handles of the last gather's collectives, kept until the next gather (or exit), so
@@ -275,16 +290,17 @@ def _shown(address: str) -> str:
         return "NBTRAIN_ATTACH"
 
 
-__all__ = ["ATTACH_ENV", "detected", "run_in_process"]
+__all__ = ["ATTACH_ENV", "InProcessRank", "detected"]
 
 
-def _in_process(request: Request, accelerator: str) -> tuple[bool, Run | None]:
-    """launch()'s question (``start.in_process``): is this process a rank already? Rank 0
-    picks the base seed there, and tells the others."""
+def _in_process(accelerator: str) -> tuple[InProcessRank, DevicePlan] | None:
+    """``start.in_process``'s question: is this process a rank already (torchrun's, or a
+    cluster's)? Then its backend and plan."""
     started_by = "torchrun" if detected() else clusters.adopt()
     if not started_by:
-        return False, None
-    return True, run_in_process(request, accelerator, started_by)
+        return None
+    backend = InProcessRank(started_by)
+    return backend, backend.plan(accelerator)
 
 
 register_in_process(_in_process)
