@@ -16,11 +16,12 @@ import torch.distributed as dist
 from torch import nn
 
 from .norms import sync_statistics
+from .precision import unwrap
 
 
 def local_optimizer(optimizer):
     """The optimizer that holds this rank's state: ZeRO's inner one, or itself."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # fp16's _ScaledOptimizer
+    inner = unwrap(optimizer)  # fp16's ScaledOptimizer wraps it
     # Not imported here: ``torch.distributed.optim`` compiles TorchScript on import (1.3 s
     # in a worker, on every launch, for a memory sample). A ZeRO optimizer has imported it.
     zero = sys.modules.get("torch.distributed.optim")
@@ -60,7 +61,7 @@ def optimizer_state_dict(model: nn.Module, optimizer, full: bool = False) -> dic
     if not full:
         return get_optimizer_state_dict(model, local,
                                         options=_options(flatten_optimizer_state_dict=True))
-    if local is getattr(optimizer, "optimizer", optimizer) or not distributed:
+    if local is unwrap(optimizer) or not distributed:
         options = _options(full_state_dict=True, cpu_offload=True,
                            flatten_optimizer_state_dict=True)
         return get_optimizer_state_dict(model, local, options=options)
