@@ -28,16 +28,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ..cells import busy_while_blocking
-from ..run import Run
 from ..wire import (
     Command,
     Exec,
     Exit,
-    LaunchRun,
     MemoryQuery,
     Pull,
     Push,
-    RunSettings,
     decode_memory,
     decode_result,
     decode_value,
@@ -45,6 +42,7 @@ from ..wire import (
 )
 from . import calls, start
 from .launcher import WorkerHandle, interrupts_deferred
+from .pool_launch import PoolLaunch
 from .pool_op import INTERRUPT_GRACE_S, STUCK_S, PoolOp, RankCellError, cell_error
 from .supervisor import kill_group
 
@@ -439,92 +437,13 @@ class RankPool:
                               timeout=timeout, telemetry=telemetry, sinks=sinks,
                               dashboard=dashboard, resume=resume, seed=seed,
                               background=background)
-        return start.execute(request, self.plan, _PoolLaunch(self))
+        return start.execute(request, self.plan, PoolLaunch(self))
 
     def __repr__(self) -> str:
         state = ("closed" if self.closed else f"ended ({self._ended})" if self._ended
                  else self._busy or "idle")
         return (f"<RankPool {self.world_size}×{self.plan.accelerator} "
                 f"start={self.start_method}: {state}>")
-
-
-class _PoolLaunch:
-    """``pool.launch``'s backend on the one start path (``start.execute``): the run goes
-    to the pool's warm ranks as a ``LaunchRun`` command, followed by a ``PoolOp``; the
-    pool is busy from ``prepare`` until the run's telemetry is closed."""
-
-    blocking = False
-    returns_run = True
-    stop_timeout = INTERRUPT_GRACE_S + 10
-
-    def __init__(self, pool: RankPool):
-        self.pool = pool
-        self.started_by = f"{pool.start_method} pool"
-        self.payload: bytes | None = None
-        self.claimed = False
-
-    def prepare(self, request: start.Request, plan) -> start.Request:
-        from .spawn import serialize
-
-        pool, chosen = self.pool, request.strategy
-        if chosen.start_method and chosen.start_method != pool.start_method:
-            raise ValueError(f"strategy {chosen.name!r} means start_method="
-                             f"{chosen.start_method!r}, but this pool's workers were started "
-                             f"by {pool.start_method}. Use strategy='ddp' (the same DDP), or "
-                             f"a pool with start_method={chosen.start_method!r}.")
-        chosen.check(plan)  # before the pool starts (the path checks it again: cheap)
-        self.payload = serialize(request.fn, request.args, request.kwargs, chosen,
-                                 "the pool's workers", "or pass it as an argument")
-        pool._settle()
-        with pool._lock:
-            if pool._busy is not None:
-                raise RuntimeError(f"the pool is busy ({pool._busy}); wait for it to finish "
-                                   "or stop it (run.stop()) first.")
-            pool._busy = "launch"
-        self.claimed = True
-        pool._ensure_started()  # interruptible: no run yet
-        return request
-
-    def start(self, request: start.Request, plan, run: Run):
-        from ..telemetry.channel import TelemetryServer
-
-        pool = self.pool
-        settings = request.telemetry
-        server = TelemetryServer(run.receive, host=start.HOST) if settings.enabled else None
-        try:
-            run_settings = RunSettings(
-                telemetry_address=server.address if server else None,
-                telemetry_token=server.token if server else "", telemetry=settings,
-                resume_from=request.resume, seed=request.base_seed,
-                data_seed=request.data_seed)
-            deadline = time.monotonic() + request.timeout if request.timeout else None
-            op = pool._begin(list(range(pool.world_size)),
-                             LaunchRun(self.payload, run_settings), deadline,
-                             emit=run.write_output)
-        except BaseException:
-            if server is not None:
-                server.close()
-            raise
-        ranks = set(range(pool.world_size))
-
-        def after() -> None:
-            try:
-                if server is not None:
-                    server.drain_and_close(ranks)
-                pool._finish(op)
-                if not pool._handles:  # the error the run raises says what became of us
-                    note = (f"The pool's workers were ended: {pool._ended}. Its next "
-                            "use starts new ones.")
-                    for f in op.failures:
-                        f.hint = (f.hint + "\n" + note).strip()
-            finally:
-                pool._busy = None
-
-        return op, [after]
-
-    def abandon(self) -> None:
-        if self.claimed:
-            self.pool._busy = None
 
 
 class PoolStatus(list):
