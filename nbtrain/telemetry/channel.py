@@ -324,11 +324,18 @@ class TelemetryClient:
         self.lost: str | None = None  # why the listener went away mid-run, if it did
         self._sock = socket.create_connection(tuple(address), timeout=connect_timeout)
         # hello: the rank, plus what a remote job says about itself (run id...)
-        try:
-            handshake(self._sock, token, {**(hello or {}), "rank": rank}, connect_timeout)
-        except BaseException:
-            self._sock.close()
-            raise
+        greeting = {**(hello or {}), "rank": rank}
+        self._handshake = lambda: handshake(self._sock, token, greeting, connect_timeout)
+        if greeting.get("ack") is True:
+            # a listener elsewhere: the rank must know now whether it took the token
+            try:
+                self._handshake()
+            except BaseException:
+                self._sock.close()
+                raise
+            self._handshake = None
+        # else (the kernel's own listener) the sender thread answers the challenge: the
+        # rank goes on starting meanwhile instead of waiting for the kernel's thread
         self._thread = threading.Thread(target=self._loop, name="nbtrain-telemetry-send",
                                         daemon=True)
         self._thread.start()
@@ -355,6 +362,12 @@ class TelemetryClient:
         return b"".join(frames)
 
     def _loop(self) -> None:
+        if self._handshake is not None:
+            try:
+                self._handshake()
+            except Exception as err:  # refused, or the kernel is gone: events are dropped
+                self.lost = f"{type(err).__name__}: {err}"
+                return
         while True:
             closing = self._closing
             chunk = self._take()
