@@ -241,7 +241,7 @@ def install() -> None:
         global _through_torch
         _through_torch = Touch("CUDA was initialised", "before nbtrain was imported")
     else:
-        cuda_modules = tuple(m for n, m in sys.modules.items()
+        cuda_modules = tuple(m for n, m in list(sys.modules.items())  # (other threads import)
                              if n.startswith("torch.cuda.") and m is not None)
         watch(torch.cuda, "_lazy_init", "a GPU was first used", cuda_modules)
         watch(torch._C, "_cuda_getDeviceCount",
