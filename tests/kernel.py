@@ -21,6 +21,7 @@ class Reply:
     results: list = field(default_factory=list)  # text/plain of execute_result messages
     displays: list = field(default_factory=list)  # data of display_data messages
     seconds: float = 0.0
+    execution_count: int | None = None  # the cell's In[N], as the frontend shows it
 
     @property
     def ename(self) -> str | None:
@@ -113,6 +114,8 @@ class Kernel:
                 reply.displays.append(content["data"])
             elif kind == "execute_result":
                 reply.results.append(content["data"].get("text/plain", ""))
+            elif kind == "execute_input":
+                reply.execution_count = content.get("execution_count")
             elif kind == "status" and content["execution_state"] == "idle":
                 reply.seconds = time.monotonic() - start
                 del self._replies[msg_id]

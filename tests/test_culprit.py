@@ -36,9 +36,9 @@ def test_a_torch_touch_names_the_cell_and_line_and_the_library_between(tmp_path)
     kernel = Kernel(startup=f"import nbtrain\nimport sys; sys.path.insert(0, {str(tmp_path)!r})")
     try:
         assert kernel.run(WATCH_A_FAKE).error is None
-        number = kernel.value("get_ipython().execution_count")  # the next cell's number
         reply = kernel.run("import somelib\nx = 1\nsomelib.build(fake)")
         assert reply.error is None, reply.error
+        number = reply.execution_count  # the cell's In[N]
         said = kernel.value("culprit.torch_culprit()")
         assert said == (f"a GPU was first used at somelib.py:3, called from Cell In[{number}], "
                         "line 3: `somelib.build(fake)`"), said
@@ -57,10 +57,10 @@ def test_a_cell_that_initialises_the_driver_behind_torch_is_named():
                           "culprit.watch_cells()").error is None
         assert kernel.run("import colorsys").error is None  # nothing happens to the driver
         assert kernel.value("culprit.behind_torch() is None") is True
-        number = kernel.value("get_ipython().execution_count")
         # what CuPy's import and first array would do: a CUDA library, the driver initialised
         reply = kernel.run("sys.modules['cupy'] = types.ModuleType('cupy')\nstate[0] = True")
         assert reply.error is None, reply.error
+        number = reply.execution_count
         said = kernel.value("culprit.driver_culprit()")
         assert said == f"during Cell In[{number}] (it imported cupy)", said
         kernel.run("del sys.modules['cupy']")  # later cells change nothing: it is recorded

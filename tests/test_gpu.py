@@ -303,13 +303,14 @@ def test_a_fresh_kernel_forks_starts_warm_and_names_what_made_it_stop():
         for _ in range(2):
             method, _, warned = kernel.value("launched()")
             assert method == "fork" and not warned, (method, warned)
-        number = kernel.value("get_ipython().execution_count")
-        assert kernel.run(STEP_ON_CPU).error is None
+        stepped = kernel.run(STEP_ON_CPU)
+        assert stepped.error is None, stepped.error
         method, _, warned = kernel.value("launched()")
         assert method == "fork" and not warned or any(
-            f"during Cell In[{number}]" in w for w in warned), (method, warned)
-        number = kernel.value("get_ipython().execution_count")
-        assert kernel.run("x = 1\ny = torch.ones(2, device='cuda')").error is None
+            f"during Cell In[{stepped.execution_count}]" in w for w in warned), (method, warned)
+        touched = kernel.run("x = 1\ny = torch.ones(2, device='cuda')")
+        assert touched.error is None, touched.error
+        number = touched.execution_count
         method, _, warned = kernel.value("launched()")
         assert method == "forkserver", method
         assert any(f"a GPU was first used at Cell In[{number}], line 2: `y = torch.ones(2, "
