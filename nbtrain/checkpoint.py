@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .strategies import owner_of
-from .strategies.meta_init import copy_into
+from .strategies.meta_values import copy_into
 from .strategies.norms import sync_statistics
 
 __all__ = ["exists", "load", "save"]

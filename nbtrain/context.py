@@ -121,13 +121,13 @@ class Context:
         if activation_checkpointing is not None:
             strategy = dataclasses.replace(strategy,
                                            activation_checkpointing=activation_checkpointing)
-        from .strategies import meta_init
+        from .strategies import meta_values
 
         model = strategy.prepare_module(model)
         materialize = None
-        if meta_init.on_meta(model):  # where each tensor's values come from, before sharding
-            materialize = functools.partial(meta_init.materialize,
-                                            sources=meta_init.sources(model, self._init_recording))
+        if meta_values.on_meta(model):  # where each tensor's values come from, before sharding
+            materialize = functools.partial(
+                meta_values.materialize, sources=meta_values.sources(model, self._init_recording))
         wrapped, optimizers = strategy.setup(model, optimizers, self, materialize)
         self._model = wrapped
         self._optimizers = list(optimizers)
@@ -157,10 +157,10 @@ class Context:
 
         Everything that sets initial values must happen inside the block.
         """
-        from .strategies import meta_init
+        from .strategies import meta_init, meta_values
 
         if self._init_recording is None:
-            self._init_recording = meta_init.Recording()
+            self._init_recording = meta_values.Recording()
         with meta_init.record(self._init_recording):
             yield
 

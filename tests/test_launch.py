@@ -307,7 +307,7 @@ def test_an_interrupt_as_the_ranks_start_stops_the_run(monkeypatch):
 def test_kill_group_ends_a_worker_that_is_not_yet_its_own_group():
     """A spawned worker joins its own process group only once nbtrain's code runs in it;
     before that (importing torch) killpg finds no group, and the worker must still end."""
-    from nbtrain.launch.supervisor import kill_group
+    from nbtrain.launch.watch import kill_group
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -212,3 +212,24 @@ def test_launch_and_scaleout_do_not_import_each_other():
     launch_to_scaleout = {(m, t) for m, targets in graph.items() if m.startswith("nbtrain.launch")
                           for t in targets if t.startswith("nbtrain.scaleout")}
     assert launch_to_scaleout == set()
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A name one module keeps to itself (``_name``) is not another module's to import:
+    what crosses rooms is public."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or
+                                                     (node.module or "").startswith("nbtrain")):
+                found += [f"{path.relative_to(PACKAGE)}:{node.lineno}: {a.name}"
+                          for a in node.names if a.name.startswith("_") and not a.asname]
+    assert found == []
+
+
+def test_each_room_stays_small():
+    """A module over ~400 lines holds more than one concept: split it by concept (as
+    launch/watch.py, supervisor.py and pool_op.py were), not by line count."""
+    sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines())
+             for p in PACKAGE.rglob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > 425} == {}

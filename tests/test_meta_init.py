@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from workloads import TinyGPT
 
-from nbtrain.strategies import meta_init
+from nbtrain.strategies import meta_init, meta_values
 
 
 class SinusoidalNet(nn.Module):
@@ -46,7 +46,7 @@ MODELS = {
 
 
 def build_on_meta(make, seed_inside: bool):
-    rec = meta_init.Recording()
+    rec = meta_values.Recording()
     torch.manual_seed(1234 if seed_inside else 0)
     with meta_init.record(rec):
         if seed_inside:
@@ -64,11 +64,11 @@ def test_replay_gives_what_ordinary_construction_gives(name, seed_inside):
     want_next = torch.rand(5)
     model, rec = build_on_meta(MODELS[name], seed_inside)
     got_next = torch.rand(5)
-    assert meta_init.on_meta(model)
+    assert meta_values.on_meta(model)
     before = torch.get_rng_state()
-    meta_init.materialize(model, torch.device("cpu"), meta_init.sources(model, rec))
+    meta_values.materialize(model, torch.device("cpu"), meta_values.sources(model, rec))
     assert torch.equal(torch.get_rng_state(), before)  # materialising draws nothing
-    assert not meta_init.on_meta(model)
+    assert not meta_values.on_meta(model)
     want_state, got_state = want.state_dict(), model.state_dict()
     assert list(got_state) == list(want_state)
     for key, value in want_state.items():
@@ -84,17 +84,17 @@ def test_a_reseed_between_two_models_in_one_block_is_honoured():
         return a, nn.Linear(4, 4)
 
     want = make_two()
-    rec = meta_init.Recording()
+    rec = meta_values.Recording()
     with meta_init.record(rec):
         got = make_two()
     for w, g in zip(want, got, strict=True):
-        meta_init.materialize(g, torch.device("cpu"), meta_init.sources(g, rec))
+        meta_values.materialize(g, torch.device("cpu"), meta_values.sources(g, rec))
         assert torch.equal(w.weight, g.weight) and torch.equal(w.bias, g.bias)
 
 
 def test_a_tied_weight_stays_one_parameter():
     model, rec = build_on_meta(TinyGPT, seed_inside=True)
-    meta_init.materialize(model, torch.device("cpu"), meta_init.sources(model, rec))
+    meta_values.materialize(model, torch.device("cpu"), meta_values.sources(model, rec))
     assert model.wte.weight is model.head.weight
 
 
@@ -120,11 +120,11 @@ def test_a_parameter_nothing_initialised_is_named_not_trained_on():
     with meta_init.record() as rec:
         model = Experts(init=False)
     with pytest.raises(RuntimeError, match=r"Experts\.gate_up was created with torch\.empty"):
-        meta_init.sources(model, rec)
+        meta_values.sources(model, rec)
     with meta_init.record() as rec:
         torch.manual_seed(0)
         model = Experts(init=True)
-    sources = meta_init.sources(model, rec)
-    meta_init.materialize(model, torch.device("cpu"), sources)
+    sources = meta_values.sources(model, rec)
+    meta_values.materialize(model, torch.device("cpu"), sources)
     torch.manual_seed(0)
     assert torch.equal(model.gate_up, Experts(init=True).gate_up)

@@ -130,7 +130,7 @@ def test_a_timeout_names_the_rank_stuck_in_a_collective_and_the_pool_restarts(po
 def test_a_busy_cell_is_interrupted_and_the_pool_stays(pool):
     pool.run("keep = 5")
     box = {}
-    before = pool._op
+    before = pool.channel.op
 
     def cell():
         box["thread"] = threading.get_ident()
@@ -143,11 +143,11 @@ def test_a_busy_cell_is_interrupted_and_the_pool_stays(pool):
     th = threading.Thread(target=cell)
     th.start()
     deadline = time.monotonic() + 10
-    while pool._op is before:
+    while pool.channel.op is before:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     t = time.monotonic()
-    pool._op.request_stop("interrupted")
+    pool.channel.op.request_stop("interrupted")
     th.join(10)
     assert time.monotonic() - t < 3
     assert isinstance(box["err"], RankCellError)
@@ -256,7 +256,7 @@ def test_an_interrupt_as_a_launch_goes_out_stops_the_run_and_the_pool_goes_on(po
     the run follows them: it is taken once the run does, and stops the run as an
     interrupt in the wait would (it used to leave the ranks running, unfollowed)."""
     assert pool.run("rank") == {0: "0", 1: "1"}
-    begin = type(pool)._begin
+    begin = type(pool.channel).begin
 
     def begin_then_interrupt(self, *args, **kwargs):
         op = begin(self, *args, **kwargs)
@@ -267,7 +267,7 @@ def test_an_interrupt_as_a_launch_goes_out_stops_the_run_and_the_pool_goes_on(po
     # Python's own handler, as in a kernel (a shell's `cmd &` inherits SIGINT ignored)
     outer = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        monkeypatch.setattr(type(pool), "_begin", begin_then_interrupt)
+        monkeypatch.setattr(type(pool.channel), "begin", begin_then_interrupt)
         with pytest.raises(KeyboardInterrupt, match="the run was stopped"):
             pool.launch(sleeper, dashboard=False)
     finally:

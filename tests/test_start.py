@@ -14,7 +14,7 @@ import pytest
 from workloads import fail_on
 
 import nbtrain
-from nbtrain.launch import supervisor
+from nbtrain.launch import watch as supervisor
 from nbtrain.rank import worker
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")

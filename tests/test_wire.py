@@ -72,7 +72,7 @@ def test_a_rank_that_sends_no_message_of_nbtrains_fails_saying_so():
                           None)
     supervisor = Supervisor([handle], lambda *a: None, None, join=False)
     worker = supervisor.workers[1]
-    supervisor._read_control(worker)
+    supervisor.watch.read_control(worker)
     assert worker.failure.exc_type == "MalformedMessage"
     assert "not JSON" in worker.failure.message and worker.failure.rank == 1
     assert "same nbtrain" in worker.failure.hint

@@ -3,11 +3,12 @@
 The pool starts one worker per device with the ordinary launchers (fork or spawn) and a
 ``WorkerSpec`` marked ``pool``; each worker joins the process group once (rank 0 hosts its
 store, as in any launch) and then waits for commands
-(``pool_worker``). Every command is one *operation*: a ``PoolOp`` thread, a
-``Supervisor`` that ends when every rank it asked has replied rather than exited, reads
-the replies and labels the output lines ``[rank N]``. ``pool.launch`` hands its
-operation to a ``Run`` as its supervisor, so a pool run is the same ``Run`` that
-``nbtrain.launch`` returns (``pool_op``).
+(``pool_worker``). Here: ``RankPool`` (what users call) and ``PoolWorkers``, its
+lifecycle (start, end, restart). Commands go through its ``PoolChannel``
+(``pool_channel.py``): one at a time, each followed by a ``PoolOp`` (``pool_op.py``) that
+ends when every rank it asked has replied rather than exited. ``pool.launch`` hands its
+operation to a ``Run`` (``pool_launch.py``), so a pool run is the same ``Run`` that
+``nbtrain.launch`` returns.
 
 Failure stays contained where the process group survives it: an exception is a reply
 like any other; an interrupt or ``timeout=`` interrupts the busy ranks. A rank that
@@ -21,15 +22,14 @@ import atexit
 import contextlib
 import signal
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ..cells import busy_while_blocking
+from ..plan import DevicePlan
 from ..wire import (
-    Command,
     Exec,
     Exit,
     MemoryQuery,
@@ -41,10 +41,11 @@ from ..wire import (
     encode_command,
 )
 from . import calls, start
-from .launcher import WorkerHandle, interrupts_deferred
+from .launcher import WorkerHandle
+from .pool_channel import PoolChannel
 from .pool_launch import PoolLaunch
-from .pool_op import INTERRUPT_GRACE_S, STUCK_S, PoolOp, RankCellError, cell_error
-from .supervisor import kill_group
+from .pool_op import RankCellError, cell_error
+from .watch import kill_group
 
 EXIT_GRACE_S = 2.0  # after "exit", how long before SIGKILL
 _POOLS: set[RankPool] = set()  # open pools (held: their workers live until close())
@@ -86,16 +87,11 @@ class RankPool:
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
         self.plan = parse_devices(devices, accelerator)
         self.start_method = choose_start_method(start_method, self.plan.accelerator)
-        self._pg_timeout = float(timeout or 600.0)
-        self._handles: list[WorkerHandle] = []
-        self._launcher = None
-        self._lock = threading.Lock()
-        self._busy: str | None = None  # what runs now: "cell", "launch", ...
-        self._ended: str | None = None  # why the workers were ended (restart on next use)
+        self.workers = PoolWorkers(self.plan, self.start_method, float(timeout or 600.0))
+        self.channel = PoolChannel(self.workers)
         self._cells = 0
         self.closed = False
-        self.started = 0  # how many times workers were started
-        self._start()
+        self.workers.start(self.channel)
         global _active
         _active = weakref.ref(self)
         _POOLS.add(self)
@@ -106,97 +102,25 @@ class RankPool:
     def world_size(self) -> int:
         return self.plan.world_size
 
-    # -- lifecycle -----------------------------------------------------------------------
-    def _start(self) -> None:
-        from . import LAUNCHERS
-        from .devices import threads_per_worker
-
-        launcher = LAUNCHERS[self.start_method]()
-        launcher.warm()
-        handles: list[WorkerHandle] = []
-        op = None
-        try:
-            threads = launcher.threads(threads_per_worker(self.world_size))
-            specs = start.rank_specs(self.plan, threads=threads, pg_timeout=self._pg_timeout,
-                                     pool=True)
-            handles = start.start_ranks(launcher, specs, None)
-            self._handles, self._launcher = handles, launcher
-            # Rank 0 hosts the store (see rank/worker.py); the op passes its port on, and
-            # waits for every rank's READY.
-            op = self._begin(list(range(self.world_size)), None, None, join=True)
-            self._finish(op)
-            failures = {r: w.failure for r, w in op.workers.items() if w.failure}
-            if failures:
-                raise cell_error(failures, "the pool could not start its process group")
-        except BaseException:
-            for h in handles:
-                # one the op already reaped (and closed) is gone, and its pid may be reused
-                with contextlib.suppress(ValueError):
-                    if h.process.exitcode is None:
-                        kill_group(h.pid, signal.SIGKILL)
-            if op is not None:  # interrupted while waiting: let the op see the exits first
-                op.done.wait(5)
-            self._end_workers(handles, launcher)
-            self._handles, self._launcher = [], None
-            raise
-        self._ended = None
-        self.started += 1
-
-    def _end_workers(self, handles, launcher, graceful: bool = False) -> None:
-        if graceful:
-            for h in handles:
-                if h.process.exitcode is None:
-                    with contextlib.suppress(OSError, ValueError):
-                        h.commands.send_bytes(encode_command(Exit()))
-            deadline = time.monotonic() + EXIT_GRACE_S
-            for h in handles:
-                h.process.join(max(0.0, deadline - time.monotonic()))
-        for h in handles:
-            kill_group(h.pid, signal.SIGKILL)  # and whatever it started (DataLoader workers)
-            with contextlib.suppress(ValueError):  # already closed
-                h.process.join(5)
-            for conn in (h.control, h.out, h.err, h.commands):
-                if conn is not None:
-                    with contextlib.suppress(OSError):
-                        conn.close()
-            with contextlib.suppress(Exception):
-                h.process.close()
-        if launcher is not None:
-            launcher.close()
-
-    def _kill_all(self) -> None:
-        for h in self._handles:
-            kill_group(h.pid, signal.SIGKILL)
-
-    def _teardown(self, reason: str) -> None:
-        """End the workers (a rank died or stayed stuck); the next use starts new ones."""
-        self._end_workers(self._handles, self._launcher)
-        self._handles, self._launcher = [], None
-        self._ended = reason
+    @property
+    def started(self) -> int:
+        """How many times its workers were started (1, plus one per restart)."""
+        return self.workers.started
 
     def restart(self) -> None:
         """End the workers and start new ones (fresh namespaces and process group)."""
         self._check_open()
-        with self._claim("restart"):
-            if self._handles:
-                self._end_workers(self._handles, self._launcher, graceful=True)
-                self._handles, self._launcher = [], None
-            self._start()
+        with self.channel.claimed("restart"):
+            self.workers.end(None, graceful=True)
+            self.workers.start(self.channel)
 
     def close(self) -> None:
         """End every worker, the rendezvous store and the helper processes the pool made."""
         if self.closed:
             return
-        op = getattr(self, "_op", None)
-        if op is not None and not op.done.is_set():  # a background run: stop it first
-            op.request_stop("the pool is closing")
-            op.done.wait(INTERRUPT_GRACE_S + 5)
-        deadline = time.monotonic() + 10
-        while self._busy is not None and time.monotonic() < deadline:
-            time.sleep(0.01)  # the run's own cleanup (its listener, a teardown) finishes
+        self.channel.wait_idle(10)  # a background run is stopped first
         self.closed = True
-        self._end_workers(self._handles, self._launcher, graceful=True)
-        self._handles, self._launcher = [], None
+        self.workers.end(None, graceful=True)
         _POOLS.discard(self)
 
     def __enter__(self) -> RankPool:
@@ -209,97 +133,6 @@ class RankPool:
         if self.closed:
             raise RuntimeError("this RankPool is closed; start a new one with "
                                "nbtrain.RankPool(...).")
-
-    @contextlib.contextmanager
-    def _claim(self, what: str):
-        with self._lock:
-            if self._busy is not None:
-                raise RuntimeError(f"the pool is busy ({self._busy}); wait for it to finish "
-                                   "or stop it (run.stop()) first.")
-            self._busy = what
-        try:
-            yield
-        finally:
-            self._busy = None
-
-    def _ensure_started(self) -> None:
-        self._check_open()
-        if not self._handles:
-            why = self._ended or "it was ended"
-            print(f"nbtrain: restarting the pool's {self.world_size} workers ({why}); names "
-                  "defined in %%ranks cells before are gone.", file=sys.stderr)
-            self._start()
-
-    # -- operations ----------------------------------------------------------------------
-    def _begin(self, ranks: list[int], command: Command | None, deadline: float | None,
-               emit=None, join: bool = False) -> PoolOp:
-        """Send ``command`` to ``ranks`` and start watching them (no command: wait for
-        what they send unasked, the start's READY; ``join``: they are starting their
-        process group)."""
-        handles = [self._handles[r] for r in ranks]
-        op = PoolOp(handles, emit or _writer(), deadline, self._kill_all, join,
-                    watch_cpu=self.plan.accelerator == "cpu")
-        if command is not None:
-            for h in handles:
-                try:
-                    h.commands.send_bytes(encode_command(command))
-                except OSError:  # it died; the op sees its exit and reports it
-                    pass
-        self._op = op
-        op.start()
-        return op
-
-    def _finish(self, op: PoolOp) -> None:
-        """After an operation: end the pool if a rank died or stayed stuck."""
-        op.done.wait()
-        if op.crash is not None:
-            self._teardown(f"nbtrain's pool supervisor failed: {op.crash!r}")
-            return
-        if op.pool_broken:
-            dead = op.died
-            parts = []
-            if dead:
-                parts.append(", ".join(f"rank {r} died ({op.workers[r].failure.exc_type})"
-                                       if op.workers[r].failure else f"rank {r} died"
-                                       for r in dead))
-            if op.killed:
-                how = (f"and slept without CPU time for {STUCK_S:g}s" if op.stuck
-                       else f"within {INTERRUPT_GRACE_S:g}s")
-                parts.append(f"rank{'s' if len(op.killed) > 1 else ''} "
-                             f"{', '.join(map(str, op.killed))} did not answer an interrupt "
-                             f"{how} (stuck in a collective?)")
-            self._teardown("; ".join(parts))
-
-    def _settle(self, within: float = 5.0) -> None:
-        """A run whose ranks are done may still be closing its telemetry (an interrupted
-        launch raises as soon as the ranks stopped): the next launch waits for that
-        instead of calling the pool busy."""
-        op = self._op
-        if self._busy is None or op is None or not op.done.is_set():
-            return
-        deadline = time.monotonic() + within
-        while self._busy is not None and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-    def _wait(self, op: PoolOp) -> None:
-        """Wait in the cell; an interrupt interrupts the ranks (and, if stuck, the pool)."""
-        try:
-            with busy_while_blocking():
-                while not op.done.wait(0.05):
-                    pass
-        except KeyboardInterrupt:
-            self._interrupt_and_wait(op)
-            raise
-
-    @staticmethod
-    def _interrupt_and_wait(op: PoolOp) -> None:
-        op.request_stop("interrupted")
-        while True:  # a second interrupt does not cut the teardown short
-            try:
-                if op.done.wait(0.05):
-                    break
-            except KeyboardInterrupt:
-                pass
 
     def _ranks(self, ranks) -> list[int]:
         if ranks is None:
@@ -316,51 +149,9 @@ class RankPool:
             raise ValueError("give at least one rank.")
         return out
 
-    def _command(self, ranks, command, what: str, timeout: float | None = None) -> PoolOp:
-        """Run one command on ``ranks`` in the foreground; raise what failed."""
+    def _command(self, ranks, command, what: str, timeout: float | None = None):
         self._check_open()
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
-        ranks = self._ranks(ranks)
-        with self._claim(what):
-            self._ensure_started()
-            dead = [h.rank for h in self._handles if h.process.exitcode is not None]
-            deadline = time.monotonic() + timeout if timeout else None
-            op, interrupted = None, False
-            try:
-                # An interrupt while the command goes out is taken once it is out: the
-                # ranks are then interrupted as they would be a moment later.
-                with interrupts_deferred():
-                    # A rank that died since the last command: report it, end the pool.
-                    op = (self._begin(dead, None, None) if dead
-                          else self._begin(ranks, command, deadline))
-                self._wait(op)
-            except KeyboardInterrupt:
-                if op is None:
-                    raise
-                interrupted = True
-                if not op.done.is_set():
-                    self._interrupt_and_wait(op)
-            self._finish(op)
-        note = f"The pool's workers were ended: {self._ended}. " \
-               "Its next use starts new ones." if not self._handles else ""
-        failures = {r: w.failure for r, w in op.workers.items() if w.failure}
-        if interrupted and (op.interrupted or not failures):
-            if not op.interrupted:  # every rank had replied before the interrupt
-                raise KeyboardInterrupt(note)
-            raise KeyboardInterrupt(note or f"interrupted on rank(s) {op.interrupted}; "
-                                    "the pool is still usable")
-        if op.teardown_cause == "timeout":
-            from ..errors import RunTimeoutError
-
-            err = RunTimeoutError(timeout, op.timed_out_ranks,
-                                  [r for r in ranks if r not in op.timed_out_ranks])
-            err.hint = (err.hint + "\n" + note).strip()
-            err.args = (err._text(),)
-            raise err
-        if failures:
-            raise cell_error(failures, note)
-        return op
+        return self.channel.command(self._ranks(ranks), command, what, timeout)
 
     def run(self, code: str, ranks: int | list[int] | None = None,
             timeout: float | None = None) -> dict[int, str | None]:
@@ -402,18 +193,17 @@ class RankPool:
         self._check_open()
         rows = []
         memory: dict[int, dict] = {}
-        busy = self._busy
-        if busy is None and self._handles and \
-                all(h.process.exitcode is None for h in self._handles):
+        busy, handles = self.channel.busy, self.workers.handles
+        if busy is None and handles and not self.workers.dead():
             with contextlib.suppress(Exception):
                 op = self._command(None, MemoryQuery(), "status")
                 memory = {r: decode_memory(w.result) for r, w in op.workers.items()}
         for rank in range(self.world_size):
-            h = self._handles[rank] if self._handles else None
+            h = handles[rank] if handles else None
             alive = h is not None and h.process.exitcode is None
             rows.append({"rank": rank, "pid": h.pid if h else None, "alive": alive,
                          "busy": bool(busy) and alive, **memory.get(rank, {})})
-        return PoolStatus(rows, self._ended, busy)
+        return PoolStatus(rows, self.workers.ended, busy)
 
     def launch(self, fn: Callable[..., Any], *args: Any, strategy="ddp",
                background: bool = False, timeout: float | None = None,
@@ -440,10 +230,110 @@ class RankPool:
         return start.execute(request, self.plan, PoolLaunch(self))
 
     def __repr__(self) -> str:
-        state = ("closed" if self.closed else f"ended ({self._ended})" if self._ended
-                 else self._busy or "idle")
+        ended = self.workers.ended
+        state = ("closed" if self.closed else f"ended ({ended})" if ended
+                 else self.channel.busy or "idle")
         return (f"<RankPool {self.world_size}×{self.plan.accelerator} "
                 f"start={self.start_method}: {state}>")
+
+
+class PoolWorkers:
+    """A pool's worker processes, one per device of ``plan``: started with their process
+    group (``start``), ended when a command found one dead or stuck, or on close (``end``),
+    and started again on the next use (``ensure_started``)."""
+
+    def __init__(self, plan: DevicePlan, start_method: str, pg_timeout: float):
+        self.plan, self.start_method, self.pg_timeout = plan, start_method, pg_timeout
+        self.handles: list[WorkerHandle] = []
+        self.launcher = None
+        self.ended: str | None = None  # why the workers were ended (restart on next use)
+        self.started = 0  # how many times workers were started
+
+    def dead(self) -> list[int]:
+        return [h.rank for h in self.handles if h.process.exitcode is not None]
+
+    def ended_note(self) -> str:
+        """What a failed command adds once the workers were ended ("" while they live)."""
+        return (f"The pool's workers were ended: {self.ended}. Its next use starts new ones."
+                if not self.handles else "")
+
+    def start(self, channel: PoolChannel) -> None:
+        """Start the workers and follow them (``channel``) until each has joined the process
+        group and said READY; on any failure nothing is left running."""
+        from . import LAUNCHERS
+        from .devices import threads_per_worker
+
+        launcher = LAUNCHERS[self.start_method]()
+        launcher.warm()
+        handles: list[WorkerHandle] = []
+        op = None
+        try:
+            threads = launcher.threads(threads_per_worker(self.plan.world_size))
+            specs = start.rank_specs(self.plan, threads=threads, pg_timeout=self.pg_timeout,
+                                     pool=True)
+            handles = start.start_ranks(launcher, specs, None)
+            self.handles, self.launcher = handles, launcher
+            # Rank 0 hosts the store (see rank/worker.py); the op passes its port on, and
+            # waits for every rank's READY.
+            op = channel.begin(list(range(self.plan.world_size)), None, None, join=True)
+            channel.finish(op)
+            failures = {r: w.failure for r, w in op.workers.items() if w.failure}
+            if failures:
+                raise cell_error(failures, "the pool could not start its process group")
+        except BaseException:
+            for h in handles:
+                # one the op already reaped (and closed) is gone, and its pid may be reused
+                with contextlib.suppress(ValueError):
+                    if h.process.exitcode is None:
+                        kill_group(h.pid, signal.SIGKILL)
+            if op is not None:  # interrupted while waiting: let the op see the exits first
+                op.done.wait(5)
+            _end(handles, launcher)
+            self.handles, self.launcher = [], None
+            raise
+        self.ended = None
+        self.started += 1
+
+    def ensure_started(self, channel: PoolChannel) -> None:
+        if not self.handles:
+            why = self.ended or "it was ended"
+            print(f"nbtrain: restarting the pool's {self.plan.world_size} workers ({why}); "
+                  "names defined in %%ranks cells before are gone.", file=sys.stderr)
+            self.start(channel)
+
+    def kill_all(self) -> None:
+        for h in self.handles:
+            kill_group(h.pid, signal.SIGKILL)
+
+    def end(self, reason: str | None, graceful: bool = False) -> None:
+        """End the workers (``graceful``: ask them to exit first); ``reason``: why, said
+        by the next use, which starts new ones."""
+        _end(self.handles, self.launcher, graceful)
+        self.handles, self.launcher = [], None
+        self.ended = reason
+
+
+def _end(handles: list[WorkerHandle], launcher, graceful: bool = False) -> None:
+    if graceful:
+        for h in handles:
+            if h.process.exitcode is None:
+                with contextlib.suppress(OSError, ValueError):
+                    h.commands.send_bytes(encode_command(Exit()))
+        deadline = time.monotonic() + EXIT_GRACE_S
+        for h in handles:
+            h.process.join(max(0.0, deadline - time.monotonic()))
+    for h in handles:
+        kill_group(h.pid, signal.SIGKILL)  # and whatever it started (DataLoader workers)
+        with contextlib.suppress(ValueError):  # already closed
+            h.process.join(5)
+        for conn in (h.control, h.out, h.err, h.commands):
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.close()
+        with contextlib.suppress(Exception):
+            h.process.close()
+    if launcher is not None:
+        launcher.close()
 
 
 class PoolStatus(list):
@@ -471,18 +361,6 @@ class PoolStatus(list):
 def _mb(n) -> str:
     return "-" if n is None else f"{n / 2**20:.1f} MB"
 
-
-def _writer():
-    streams = {"out": sys.stdout, "err": sys.stderr}
-
-    def emit(rank: int, stream: str, line: str) -> None:
-        try:
-            streams[stream].write(f"[rank {rank}] {line}\n")
-            streams[stream].flush()
-        except Exception:
-            pass
-
-    return emit
 
 def _close_pools() -> None:
     for pool in list(_POOLS):

@@ -39,14 +39,11 @@ class PoolLaunch:
         chosen.check(plan)  # before the pool starts (the path checks it again: cheap)
         self.payload = serialize(request.fn, request.args, request.kwargs, chosen,
                                  "the pool's workers", "or pass it as an argument")
-        pool._settle()
-        with pool._lock:
-            if pool._busy is not None:
-                raise RuntimeError(f"the pool is busy ({pool._busy}); wait for it to finish "
-                                   "or stop it (run.stop()) first.")
-            pool._busy = "launch"
+        channel = pool.channel
+        channel.settle()
+        channel.claim("launch")
         self.claimed = True
-        pool._ensure_started()  # interruptible: no run yet
+        pool.workers.ensure_started(channel)  # interruptible: no run yet
         return request
 
     def start(self, request: start.Request, plan, run: Run):
@@ -62,7 +59,7 @@ class PoolLaunch:
                 resume_from=request.resume, seed=request.base_seed,
                 data_seed=request.data_seed)
             deadline = time.monotonic() + request.timeout if request.timeout else None
-            op = pool._begin(list(range(pool.world_size)),
+            op = pool.channel.begin(list(range(pool.world_size)),
                              LaunchRun(self.payload, run_settings), deadline,
                              emit=run.write_output)
         except BaseException:
@@ -75,17 +72,15 @@ class PoolLaunch:
             try:
                 if server is not None:
                     server.drain_and_close(ranks)
-                pool._finish(op)
-                if not pool._handles:  # the error the run raises says what became of us
-                    note = (f"The pool's workers were ended: {pool._ended}. Its next "
-                            "use starts new ones.")
-                    for f in op.failures:
-                        f.hint = (f.hint + "\n" + note).strip()
+                pool.channel.finish(op)
+                note = pool.workers.ended_note()  # the run's error says what became of us
+                for f in op.failures if note else ():
+                    f.hint = (f.hint + "\n" + note).strip()
             finally:
-                pool._busy = None
+                pool.channel.release()
 
         return op, [after]
 
     def abandon(self) -> None:
         if self.claimed:
-            self.pool._busy = None
+            self.pool.channel.release()

@@ -1,6 +1,6 @@
-"""One command on a ``RankPool``'s ranks, watched from a kernel thread: ``PoolOp``, a
-``Supervisor`` that ends when every rank it asked has replied instead of exited, and
-the error a failed cell raises (``RankCellError``).
+"""One command on a ``RankPool``'s ranks, followed from a kernel thread: ``PoolOp``, a
+``Follower`` (``supervisor.py``) that ends when every rank it asked has replied instead of
+exited, and the error a failed cell raises (``RankCellError``).
 
 Teardown differs from a one-shot run's. A failure, a stop (an interrupt) or the
 deadline first sends SIGINT to the ranks still busy, again every ``RESEND_S``; only
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import selectors
 import signal
 import time
 from collections.abc import Callable
@@ -24,7 +23,8 @@ from collections.abc import Callable
 from ..errors import WorkerError
 from ..wire import first_line, label
 from .launcher import WorkerHandle
-from .supervisor import Failure, Supervisor, _Worker, exit_failure
+from .supervisor import Follower
+from .watch import Failure, RankState, exit_failure
 
 INTERRUPT_GRACE_S = 3.0  # after SIGINT, how long busy ranks get to reply
 RESEND_S = 0.25  # SIGINT again to ranks that have not replied yet
@@ -54,13 +54,16 @@ class RankCellError(WorkerError):
         return (type(self), (self.failures, self.hint))
 
 
-class PoolOp(Supervisor):
-    """One command on some of the pool's ranks, watched until each of them replied.
+class PoolOp(Follower):
+    """One command on some of the pool's ranks, followed until each of them replied.
 
-    Teardown differs from a one-shot run's: a failure, a stop or the deadline first
-    interrupts the ranks still busy, and only ranks that do not answer (seen asleep
-    without CPU time on CPU ranks, ``watch_cpu``; else within ``INTERRUPT_GRACE_S``) get
-    the whole pool ended (``kill_pool``)."""
+    A failure, a stop or the deadline first interrupts the ranks still busy, and only
+    ranks that do not answer (seen asleep without CPU time on CPU ranks, ``watch_cpu``;
+    else within ``INTERRUPT_GRACE_S``) get the whole pool ended (``kill_pool``). The
+    ranks and their pipes stay the pool's."""
+
+    thread_name = "nbtrain-pool-op"
+    owns_ranks = False
 
     def __init__(self, handles: list[WorkerHandle], emit, deadline: float | None,
                  kill_pool: Callable[[], None], join: bool = False, watch_cpu: bool = False):
@@ -70,58 +73,44 @@ class PoolOp(Supervisor):
         self._quiet = Quiet() if watch_cpu else None
         self.stuck = False  # the killed ranks were seen asleep, not only late
         self.interrupted_at: float | None = None
-        self.interrupted: list[int] = []
         self._sigint_at = 0.0
         self.killed: list[int] = []  # ranks that did not answer the interrupt
         self.died: list[int] = []  # ranks that ended before the pool ended them
-        self._thread.name = "nbtrain-pool-op"
 
-    def pending(self) -> list[_Worker]:
-        return [w for w in self.workers.values()
-                if w.exitcode is None and w.result is None and w.failure is None]
+    @property
+    def interrupted(self) -> list[int]:
+        """The ranks it interrupted (busy when the teardown began)."""
+        return sorted(self.watch.interrupted)
 
     @property
     def pool_broken(self) -> bool:
         return bool(self.killed) or any(w.exitcode is not None for w in self.workers.values())
 
-    def _loop(self) -> None:
-        sel = self._register()
-        while True:
-            if self.killed:
-                if all(w.exitcode is not None for w in self.workers.values()):
-                    break
-            elif not self.pending():
-                break
+    def follow(self) -> None:
+        watch = self.watch
+        while watch.alive() if self.killed else watch.busy():
             now = time.monotonic()
-            self._check_joined(now)
-            self._name_stragglers(now)
+            self.notice(now)
             self._advance(now)
-            timeout = 0.05 if (self.teardown_cause or self.failures) else 0.5
-            if self.deadline is not None and self.teardown_cause is None:
-                timeout = max(0.0, min(timeout, self.deadline - now))
-            for key, _ in sel.select(timeout):
-                self._handle(*key.data)
-        self._drain_output()
+            for w in watch.wait(self.timeout(now)):
+                self._exited(w)
+        watch.drain_available()
 
     def _advance(self, now: float) -> None:
+        watch = self.watch
         if self.teardown_cause is None:
-            if self._stop_requested:
-                self.teardown_cause, self.stop_reason = "stop", self._stop_requested
-            elif self.deadline is not None and now >= self.deadline:
-                self.teardown_cause = "timeout"
-                self.timed_out_ranks = [w.handle.rank for w in self.pending()]
-            elif self.failures and (now - self.failures[0].t >= FAILED_RANK_GRACE_S
-                                    or self._asleep(now)):
-                self.teardown_cause = "failure"
-            if self.teardown_cause is not None:
+            failures = watch.failures
+            failed = bool(failures) and (now - failures[0].t >= FAILED_RANK_GRACE_S
+                                         or self._asleep(now))
+            if self.teardown_due(now, failed):
                 self.interrupted_at = now
-                self.interrupted = [w.handle.rank for w in self.pending()]
+                watch.interrupted.update(w.rank for w in watch.busy())
                 self._interrupt(now)
-        elif not self.killed and self.pending():
+        elif not self.killed and watch.busy():
             waited = now - self.interrupted_at
             if waited >= INTERRUPT_GRACE_S or (self._asleep(now) and waited >= STUCK_S):
                 self.stuck = waited < INTERRUPT_GRACE_S
-                self.killed = [w.handle.rank for w in self.pending()]
+                self.killed = [w.rank for w in watch.busy()]
                 self._kill_pool()
             elif now - self._sigint_at >= RESEND_S:
                 self._interrupt(now)
@@ -132,50 +121,23 @@ class PoolOp(Supervisor):
         costs a /proc read per busy rank."""
         if self._quiet is None:
             return False
-        quiet = [self._quiet.observe(w.handle.pid, now) for w in self.pending()]
+        quiet = [self._quiet.observe(w.handle.pid, now) for w in self.watch.busy()]
         return bool(quiet) and min(quiet) >= STUCK_S
 
     def _interrupt(self, now: float) -> None:
         """SIGINT to the ranks still busy. Sent again every RESEND_S: a rank ignores it
         between commands, so one that arrived before the rank began the command is lost."""
         self._sigint_at = now
-        for w in self.pending():
+        for w in self.watch.busy():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(w.handle.pid, signal.SIGINT)
 
-    def _read_control(self, w: _Worker) -> None:
-        super()._read_control(w)
-        f = w.failure
-        if f is not None and w.handle.rank in self.interrupted and \
-                f.exc_type == "KeyboardInterrupt":
-            f.secondary = True  # we interrupted it: not the cause
-
-    def _on_exit(self, w: _Worker) -> None:
-        if not self._reap(w):
-            return
-        h = w.handle
+    def _exited(self, w: RankState) -> None:
         if self.killed:
             return  # we ended it
-        self.died.append(h.rank)
+        self.died.append(w.rank)
         if w.failure is None:
-            w.failure = exit_failure(h.rank, w.exitcode, h.exit_hint)
-
-    def _drain_output(self) -> None:
-        """What is in the pipes now: a worker flushes its output before it replies, so
-        the lines of this command are there (the pipes stay open for the next one)."""
-        for w in self.workers.values():
-            for stream in ("out", "err"):
-                while _readable(w, stream) and self._read_output(w, stream):
-                    pass
-                if w.partial[stream]:
-                    self._emit(w.handle.rank, stream, w.partial[stream])
-                    w.partial[stream] = ""
-
-    def _cleanup(self) -> None:  # the pool owns the workers and their pipes
-        self._sel.close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            w.failure = exit_failure(w.rank, w.exitcode, w.handle.exit_hint)
 
 
 class Quiet:
@@ -213,14 +175,6 @@ def _stat(pid: int) -> tuple[str, int] | None:
         return fields[0].decode(), int(fields[11]) + int(fields[12])
     except (OSError, IndexError, ValueError):
         return None
-
-
-def _readable(w: _Worker, stream: str) -> bool:
-    conn = w.handle.out if stream == "out" else w.handle.err
-    try:
-        return bool(selectors.select.select([conn.fileno()], [], [], 0)[0])
-    except (OSError, ValueError):
-        return False
 
 
 def cell_error(failures: dict[int, Failure], note: str) -> RankCellError:

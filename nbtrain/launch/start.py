@@ -38,7 +38,7 @@ from ..telemetry.settings import Telemetry
 from ..wire import Outcome
 from . import calls
 from .launcher import Launcher, WorkerHandle, interrupts_deferred
-from .supervisor import kill_group
+from .watch import kill_group
 
 HOST = "127.0.0.1"  # where the ranks of this machine meet: their store, the listener
 

@@ -46,7 +46,7 @@ from ..wire import (
     encode_result,
     encode_value,
 )
-from .worker import _exit, execute, init_distributed, run_as_worker
+from .worker import execute, init_distributed, leave, run_as_worker
 
 MAX_REPR = 20_000  # characters of a last expression's repr sent back
 
@@ -67,7 +67,7 @@ def serve(spec: WorkerSpec, commands, control) -> None:
         init_distributed(spec, control, commands)
     except BaseException as exc:
         control.send_bytes(encode_failure(exc, spec.rank, (__file__,)))
-        _exit(1)
+        leave(1)
     import torch
     import torch.distributed as dist
 
@@ -89,12 +89,12 @@ def serve(spec: WorkerSpec, commands, control) -> None:
         try:
             data = commands.recv_bytes()
         except (EOFError, OSError):  # the kernel closed the pool, or is gone
-            _exit(0)
+            leave(0)
         command = None
         try:
             command = decode_command(data)
             if isinstance(command, Exit):
-                _exit(0)
+                leave(0)
             reply = _handle(spec, command, namespace, control.send_bytes)
         except BaseException as exc:  # an interrupt that landed between two lines of
             reply = encode_failure(exc, spec.rank, (__file__,))  # ours, or no command

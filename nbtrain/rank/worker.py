@@ -74,10 +74,10 @@ def run_as_worker(spec: WorkerSpec, out_w, err_w, body) -> None:
         body()
     except BaseException:  # the reporting itself failed; say so on stderr
         traceback.print_exc()
-    _exit(1)
+    leave(1)
 
 
-def _exit(code: int) -> None:
+def leave(code: int) -> None:
     """Flush and leave at once, without tearing anything down.
 
     Destructors are skipped on purpose: a gloo process group's destructor joins its
@@ -90,7 +90,7 @@ def _exit(code: int) -> None:
             stream.flush()
         except Exception:
             pass
-    os._exit(code)
+    os.leave(code)
 
 
 def _become_worker(spec: WorkerSpec, out_w, err_w) -> None:
@@ -113,7 +113,7 @@ def _become_worker(spec: WorkerSpec, out_w, err_w) -> None:
         except OSError:
             pass
         if os.getppid() != spec.parent_pid:  # the kernel died before prctl took effect
-            os._exit(1)
+            os.leave(1)
     os.dup2(out_w.fileno(), 1)
     os.dup2(err_w.fileno(), 2)
     out_w.close()
@@ -154,9 +154,9 @@ def _run(spec: WorkerSpec, payload: Any, control, commands) -> None:
     message = execute(spec, payload, setup=lambda: init_distributed(spec, control, commands),
                       report=control.send_bytes)
     control.send_bytes(message)
-    # No destroy_process_group(): see _exit. Every object stays alive until the process
+    # No destroy_process_group(): see leave(). Every object stays alive until the process
     # is gone, including the model (and its DDP reducer) that the context holds.
-    _exit(1 if message[:1] == FAILURE else 0)
+    leave(1 if message[:1] == FAILURE else 0)
 
 
 def init_distributed(spec: WorkerSpec, control, commands) -> None:
@@ -180,7 +180,7 @@ def init_distributed(spec: WorkerSpec, control, commands) -> None:
         try:
             port = decode_store(commands.recv_bytes())
         except EOFError:  # the kernel ended the start (rank 0 failed, an interrupt)
-            _exit(1)
+            leave(1)
         store = dist.TCPStore(spec.store_host, port, spec.world_size, is_master=False,
                               timeout=timeout)
     control.send_bytes(AT_STORE)

@@ -1,0 +1,184 @@
+"""A ``RankPool``'s command channel: one command at a time, sent to some of its warm ranks
+and followed by a ``PoolOp`` until each replied. The workers themselves (started, ended,
+restarted) are the pool's lifecycle, ``PoolWorkers`` in ``pool.py``; this side only asks
+it to start them, or to end them when a command found a rank dead or stuck."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from typing import Any
+
+from ..cells import busy_while_blocking
+from ..errors import RunTimeoutError
+from ..wire import Command, encode_command
+from .launcher import interrupts_deferred
+from .pool_op import INTERRUPT_GRACE_S, STUCK_S, PoolOp, cell_error
+
+
+class PoolChannel:
+    """Sends commands to a pool's workers and follows each; what runs now is ``busy``
+    (``"cell"``, ``"launch"``, ...), claimed before a command goes out."""
+
+    def __init__(self, workers: Any):  # pool.PoolWorkers (pool.py builds this; no import back)
+        self.workers = workers
+        self.busy: str | None = None
+        self.op: PoolOp | None = None  # the last command's
+        self._lock = threading.Lock()
+
+    # -- one command at a time -----------------------------------------------------------
+    def claim(self, what: str) -> None:
+        """Mark the pool busy with ``what``; a RuntimeError if it is busy already."""
+        with self._lock:
+            if self.busy is not None:
+                raise RuntimeError(f"the pool is busy ({self.busy}); wait for it to finish "
+                                   "or stop it (run.stop()) first.")
+            self.busy = what
+
+    def release(self) -> None:
+        self.busy = None
+
+    @contextlib.contextmanager
+    def claimed(self, what: str):
+        self.claim(what)
+        try:
+            yield
+        finally:
+            self.release()
+
+    def settle(self, within: float = 5.0) -> None:
+        """A run whose ranks are done may still be closing its telemetry (an interrupted
+        launch raises as soon as the ranks stopped): the next launch waits for that
+        instead of calling the pool busy."""
+        op = self.op
+        if self.busy is None or op is None or not op.done.is_set():
+            return
+        deadline = time.monotonic() + within
+        while self.busy is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def wait_idle(self, within: float) -> None:
+        """Stop a command still running (a background run) and wait until none is."""
+        op = self.op
+        if op is not None and not op.done.is_set():
+            op.request_stop("the pool is closing")
+            op.done.wait(INTERRUPT_GRACE_S + 5)
+        deadline = time.monotonic() + within
+        while self.busy is not None and time.monotonic() < deadline:
+            time.sleep(0.01)  # the run's own cleanup (its listener, a teardown) finishes
+
+    # -- sending and following -----------------------------------------------------------
+    def begin(self, ranks: list[int], command: Command | None, deadline: float | None,
+              emit=None, join: bool = False) -> PoolOp:
+        """Send ``command`` to ``ranks`` and start following them (no command: wait for
+        what they send unasked, the start's READY; ``join``: they are starting their
+        process group)."""
+        workers = self.workers
+        handles = [workers.handles[r] for r in ranks]
+        op = PoolOp(handles, emit or _writer(), deadline, workers.kill_all, join,
+                    watch_cpu=workers.plan.accelerator == "cpu")
+        if command is not None:
+            for h in handles:
+                try:
+                    h.commands.send_bytes(encode_command(command))
+                except OSError:  # it died; the op sees its exit and reports it
+                    pass
+        self.op = op
+        op.start()
+        return op
+
+    def finish(self, op: PoolOp) -> None:
+        """After a command: end the workers if a rank died or stayed stuck."""
+        op.done.wait()
+        if op.crash is not None:
+            self.workers.end(f"nbtrain's pool supervisor failed: {op.crash!r}")
+        elif op.pool_broken:
+            parts = []
+            if op.died:
+                parts.append(", ".join(f"rank {r} died ({op.workers[r].failure.exc_type})"
+                                       if op.workers[r].failure else f"rank {r} died"
+                                       for r in op.died))
+            if op.killed:
+                how = (f"and slept without CPU time for {STUCK_S:g}s" if op.stuck
+                       else f"within {INTERRUPT_GRACE_S:g}s")
+                parts.append(f"rank{'s' if len(op.killed) > 1 else ''} "
+                             f"{', '.join(map(str, op.killed))} did not answer an interrupt "
+                             f"{how} (stuck in a collective?)")
+            self.workers.end("; ".join(parts))
+
+    def wait(self, op: PoolOp) -> None:
+        """Wait in the cell; an interrupt interrupts the ranks (and, if stuck, the pool)."""
+        try:
+            with busy_while_blocking():
+                while not op.done.wait(0.05):
+                    pass
+        except KeyboardInterrupt:
+            self.interrupt_and_wait(op)
+            raise
+
+    @staticmethod
+    def interrupt_and_wait(op: PoolOp) -> None:
+        op.request_stop("interrupted")
+        while True:  # a second interrupt does not cut the teardown short
+            try:
+                if op.done.wait(0.05):
+                    break
+            except KeyboardInterrupt:
+                pass
+
+    def command(self, ranks: list[int], command: Command, what: str,
+                timeout: float | None = None) -> PoolOp:
+        """Run one command on ``ranks`` in the foreground; raise what failed."""
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+        with self.claimed(what):
+            self.workers.ensure_started(self)
+            dead = self.workers.dead()
+            deadline = time.monotonic() + timeout if timeout else None
+            op, interrupted = None, False
+            try:
+                # An interrupt while the command goes out is taken once it is out: the
+                # ranks are then interrupted as they would be a moment later.
+                with interrupts_deferred():
+                    # A rank that died since the last command: report it, end the pool.
+                    op = (self.begin(dead, None, None) if dead
+                          else self.begin(ranks, command, deadline))
+                self.wait(op)
+            except KeyboardInterrupt:
+                if op is None:
+                    raise
+                interrupted = True
+                if not op.done.is_set():
+                    self.interrupt_and_wait(op)
+            self.finish(op)
+        note = self.workers.ended_note()
+        failures = {r: w.failure for r, w in op.workers.items() if w.failure}
+        if interrupted and (op.interrupted or not failures):
+            if not op.interrupted:  # every rank had replied before the interrupt
+                raise KeyboardInterrupt(note)
+            raise KeyboardInterrupt(note or f"interrupted on rank(s) {op.interrupted}; "
+                                    "the pool is still usable")
+        if op.teardown_cause == "timeout":
+            err = RunTimeoutError(timeout, op.timed_out_ranks,
+                                  [r for r in ranks if r not in op.timed_out_ranks])
+            err.hint = (err.hint + "\n" + note).strip()
+            err.args = (err._text(),)
+            raise err
+        if failures:
+            raise cell_error(failures, note)
+        return op
+
+
+def _writer():
+    streams = {"out": sys.stdout, "err": sys.stderr}
+
+    def emit(rank: int, stream: str, line: str) -> None:
+        try:
+            streams[stream].write(f"[rank {rank}] {line}\n")
+            streams[stream].flush()
+        except Exception:
+            pass
+
+    return emit

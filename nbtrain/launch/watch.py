@@ -1,0 +1,403 @@
+"""What a kernel thread sees of a set of ranks: ``Watch``, one selector over each rank's
+exit sentinel, control pipe (result, failure, store port, activity), stdout and stderr,
+and a wake-up pipe. It decodes what arrives into each rank's ``RankState``, names ranks
+that do not join or lag behind, and reaps the ones that exit. It decides nothing about
+ending them: that is the ``Follower`` around it (``supervisor.py``) and its kinds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import selectors
+import signal
+import time
+from dataclasses import dataclass, field
+
+from ..errors import signal_hint, signal_name
+from ..wire import (
+    ACTIVITY,
+    AT_STORE,
+    FAILURE,
+    JOINED,
+    STORE,
+    Activity,
+    decode_activity,
+    decode_failure,
+)
+from .launcher import WorkerHandle
+
+# A rank that has not joined its process group this long after the start is named, with
+# its Python stack, and the start fails (a fork once copied a held lock into a rank,
+# which then waited forever; see rank/worker.py). Generous: spawn imports torch in every rank
+# and NCCL's first communicator takes seconds on 8 GPUs.
+JOIN_TIMEOUT_S = 120.0
+STACK_WAIT_S = 1.0  # after SIGUSR1, how long a late rank gets to print its stack
+# A rank still running this long after another rank returned is named in the cell with
+# its Python stack (once): a silent wait looks like a hang (a rank stuck in a collective
+# the others left, or a slow teardown).
+STRAGGLER_S = 30.0
+
+_COMM_ERROR = re.compile(r"gloo|nccl|connection (closed|reset) by peer|broken pipe|"
+                         r"DistBackendError|DistNetworkError|DistStoreError|Socket Timeout",
+                         re.IGNORECASE)
+
+
+@dataclass
+class Failure:
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str
+    t: float
+    # Not the root cause: a communication error caused by another rank's death, or the
+    # KeyboardInterrupt of a rank that nbtrain interrupted.
+    secondary: bool = False
+    hint: str = ""
+
+
+@dataclass
+class RankState:
+    """One rank as its watch has seen it so far."""
+
+    handle: WorkerHandle
+    exitcode: int | None = None
+    result: bytes | None = None
+    failure: Failure | None = None
+    control_open: bool = True
+    at_store: bool = False  # it reached rank 0's store (wire.AT_STORE)
+    joined: bool = False  # its process group is up (wire.JOINED)
+    stack: list[str] | None = None  # stderr lines since it was asked for its stack
+    activity: Activity | None = None  # what its function did
+    partial: dict[str, str] = field(default_factory=lambda: {"out": "", "err": ""})
+
+    @property
+    def rank(self) -> int:
+        return self.handle.rank
+
+    @property
+    def busy(self) -> bool:
+        """Alive, and neither replied nor failed yet."""
+        return self.exitcode is None and self.result is None and self.failure is None
+
+
+class Watch:
+    """The ranks of one run or command: everything they send, seen from one selector.
+
+    ``emit(rank, "out" | "err", line)`` receives their output line by line. ``join``:
+    they are starting their process group, so rank 0's store port is relayed and ranks
+    not joined within ``JOIN_TIMEOUT_S`` are named. A KeyboardInterrupt from a rank in
+    ``interrupted`` (the follower sent it) is not a root cause."""
+
+    def __init__(self, handles: list[WorkerHandle], emit, join: bool):
+        self.workers = {h.rank: RankState(h) for h in handles}
+        self.emit = emit
+        self.join_deadline = time.monotonic() + JOIN_TIMEOUT_S if join else None
+        self.interrupted: set[int] = set()
+        self._stacks_asked_at: float | None = None
+        self._first_result_at: float | None = None
+        self._stragglers_named = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._sel = selectors.DefaultSelector()
+        self._registered = False
+
+    # -- what it has seen ----------------------------------------------------------------
+    @property
+    def failures(self) -> list[Failure]:
+        return sorted((w.failure for w in self.workers.values() if w.failure), key=lambda f: f.t)
+
+    def root_failure(self) -> Failure | None:
+        failures = self.failures
+        primary = [f for f in failures if not f.secondary]
+        return (primary or failures or [None])[0]
+
+    def busy(self) -> list[RankState]:
+        return [w for w in self.workers.values() if w.busy]
+
+    def alive(self) -> list[RankState]:
+        return [w for w in self.workers.values() if w.exitcode is None]
+
+    # -- waiting -------------------------------------------------------------------------
+    def wake(self) -> None:
+        """Cut the current ``wait`` short (a stop was asked for)."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def wait(self, timeout: float) -> list[RankState]:
+        """Read what arrives within ``timeout``; returns the ranks that exited (reaped)."""
+        if not self._registered:
+            self._register()
+        exited = []
+        for key, _ in self._sel.select(timeout):
+            what, w = key.data
+            if what == "wake":
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 1024)
+            elif what == "control":
+                self.read_control(w)
+            elif what in ("out", "err"):
+                self.read_output(w, what)
+            elif what == "exit" and self._reap(w):
+                exited.append(w)
+        return exited
+
+    def _register(self) -> None:
+        sel, self._registered = self._sel, True
+        sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+        for w in self.workers.values():
+            h = w.handle
+            sel.register(h.process.sentinel, selectors.EVENT_READ, ("exit", w))
+            sel.register(h.control, selectors.EVENT_READ, ("control", w))
+            for stream, conn in (("out", h.out), ("err", h.err)):
+                os.set_blocking(conn.fileno(), False)
+                sel.register(conn, selectors.EVENT_READ, (stream, w))
+
+    def _forget(self, fileobj) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(fileobj)
+
+    # -- ranks that do not join, or lag behind -------------------------------------------
+    def check_joined(self, now: float) -> None:
+        """Past the join deadline, ask the ranks that have not joined where they are
+        (SIGUSR1: their Python stacks, on stderr), then fail them with it."""
+        if self.join_deadline is None or now < self.join_deadline:
+            return
+        late = [w for w in self.workers.values()
+                if not w.joined and w.exitcode is None and w.failure is None]
+        if not late:
+            self.join_deadline = None
+            return
+        if self._stacks_asked_at is None:
+            self._stacks_asked_at = now
+            for w in late:
+                w.stack = []
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.handle.pid, signal.SIGUSR1)
+            return
+        if now - self._stacks_asked_at < STACK_WAIT_S:
+            return
+        joined = [r for r, w in self.workers.items() if w.joined]
+        missing = [w.rank for w in late if not w.at_store]
+        for w in late:
+            stack = "\n".join(w.stack or []) or "(it printed no stack)"
+            if w.at_store and missing:  # waiting in the group's start for those
+                message = (f"rank {w.rank} waited in the process group's start for rank"
+                           f"{'s' if len(missing) > 1 else ''} "
+                           f"{', '.join(map(str, missing))}")
+            else:
+                message = (f"rank {w.rank} did not join the process group within "
+                           f"{JOIN_TIMEOUT_S:g} s of the start (joined: "
+                           f"{', '.join(map(str, joined)) or 'none'}); where it waits:")
+            w.failure = Failure(
+                w.rank, "StartTimeout", message, stack, now,
+                secondary=w.at_store and bool(missing),
+                hint="The start was ended; nothing of your function ran. Launch again. If a "
+                     "start hangs again, the stack above says where: please report it with "
+                     "that stack.")
+        self.join_deadline = None
+
+    def name_stragglers(self, now: float) -> None:
+        """Once, ``STRAGGLER_S`` after the first result: name each rank still running,
+        with its stack."""
+        if self._stragglers_named or self._first_result_at is None or \
+                now - self._first_result_at < STRAGGLER_S:
+            return
+        self._stragglers_named = True
+        done = [r for r, w in self.workers.items() if w.result is not None]
+        for w in self.busy():
+            self.emit(w.rank, "err",
+                      f"nbtrain: rank {w.rank} is still running "
+                      f"{now - self._first_result_at:.0f} s after rank"
+                      f"{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} "
+                      "returned; where it is now:")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.handle.pid, signal.SIGUSR1)
+
+    # -- reading -------------------------------------------------------------------------
+    def read_control(self, w: RankState) -> None:
+        if not w.control_open:
+            return
+        try:
+            data = w.handle.control.recv_bytes()
+        except (EOFError, OSError):
+            self._forget(w.handle.control)
+            w.control_open = False
+            return
+        tag = data[:1]
+        if tag == STORE:  # rank 0's store is up: tell the others where
+            for other in self.alive():
+                if other is not w:
+                    with contextlib.suppress(OSError):
+                        other.handle.commands.send_bytes(data)
+            return
+        if tag == AT_STORE:
+            w.at_store = True
+            return
+        if tag == JOINED:
+            w.joined = True
+            return
+        try:
+            if tag == ACTIVITY:
+                w.activity = decode_activity(data)
+            elif tag == FAILURE:
+                body = decode_failure(data)
+                text = f"{body.type}: {body.message}\n{body.traceback}"
+                interrupted = w.rank in self.interrupted and body.type == "KeyboardInterrupt"
+                w.failure = Failure(w.rank, body.type, body.message, body.traceback,
+                                    time.monotonic(), hint=body.hint,
+                                    secondary=interrupted or bool(_COMM_ERROR.search(text)))
+        except ValueError as err:  # not nbtrain's message: the rank's failure, said as such
+            w.failure = Failure(w.rank, "MalformedMessage", str(err), "", time.monotonic(),
+                                hint="nbtrain's rank and kernel disagree on the wire; are "
+                                     "both the same nbtrain?")
+        if tag in (ACTIVITY, FAILURE):
+            return
+        w.result = data
+        if self._first_result_at is None:
+            self._first_result_at = time.monotonic()
+
+    def read_output(self, w: RankState, stream: str) -> bool:
+        """Whatever the pipe holds now, emitted line by line; False at its end."""
+        conn = w.handle.out if stream == "out" else w.handle.err
+        try:
+            data = os.read(conn.fileno(), 1 << 16)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        if not data:
+            self._forget(conn)
+            self._flush_partial(w, stream)
+            return False
+        text = w.partial[stream] + data.decode("utf-8", errors="replace")
+        *lines, w.partial[stream] = text.split("\n")
+        for line in lines:
+            if w.stack is not None and stream == "err":  # its stack goes into its failure
+                w.stack.append(line)
+            else:
+                self.emit(w.rank, stream, line)
+        return True
+
+    def _flush_partial(self, w: RankState, stream: str) -> None:
+        if w.partial[stream]:
+            self.emit(w.rank, stream, w.partial[stream])
+            w.partial[stream] = ""
+
+    def drain_to_end(self, within: float) -> None:
+        """Read the last lines, up to end-of-file (or ``within`` seconds, if something the
+        rank started still holds its pipes), and what was sent last on control pipes."""
+        end = time.monotonic() + within
+        while time.monotonic() < end:
+            if not any(k.data[0] in ("out", "err") for k in self._sel.get_map().values()):
+                break
+            for key, _ in self._sel.select(max(0.0, end - time.monotonic())):
+                what, w = key.data
+                if what in ("out", "err"):
+                    self.read_output(w, what)
+                elif what == "control":
+                    self.read_control(w)
+        self._flush_all()
+
+    def drain_available(self) -> None:
+        """Read what the pipes hold now and keep them open (a pool's ranks flush their
+        output before they reply, so a command's lines are there)."""
+        for w in self.workers.values():
+            for stream in ("out", "err"):
+                conn = w.handle.out if stream == "out" else w.handle.err
+                while _readable(conn) and self.read_output(w, stream):
+                    pass
+        self._flush_all()
+
+    def _flush_all(self) -> None:
+        for w in self.workers.values():
+            for stream in ("out", "err"):
+                self._flush_partial(w, stream)
+
+    # -- ending --------------------------------------------------------------------------
+    def signal_alive(self, sig: int) -> None:
+        for w in self.alive():
+            kill_group(w.handle.pid, sig)
+
+    def _reap(self, w: RankState) -> bool:
+        """Reap a rank that exited and read what it sent last; False if already done."""
+        h = w.handle
+        if w.exitcode is not None:
+            return False
+        self._forget(h.process.sentinel)
+        # Until it is reaped the worker's pid (its group id) cannot be reused: end anything
+        # it started and left behind (DataLoader workers), then reap it.
+        kill_group(h.pid, signal.SIGKILL)
+        h.process.join(timeout=5)
+        w.exitcode = h.process.exitcode if h.process.exitcode is not None else -signal.SIGKILL
+        while w.control_open and _poll(h.control):  # a report sent just before exit
+            self.read_control(w)
+        return True
+
+    def close(self, end_ranks: bool) -> None:
+        """Close the selector; ``end_ranks``: also kill, reap and close each rank (else
+        they and their pipes stay with whoever owns them, a pool)."""
+        if end_ranks:
+            for w in self.workers.values():
+                h = w.handle
+                if h.process.exitcode is None:
+                    kill_group(h.pid, signal.SIGKILL)
+                    h.process.join(timeout=5)
+                for conn in (h.control, h.out, h.err, h.commands):
+                    with contextlib.suppress(OSError):
+                        conn.close()
+                with contextlib.suppress(Exception):
+                    h.process.close()
+        self._sel.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def exit_failure(rank: int, exitcode: int, exit_hint: str = "") -> Failure:
+    """A rank that exited without a report: killed by a signal, or an exit code (code 1:
+    ``exit_hint``, what its launcher says that usually means)."""
+    if exitcode < 0:
+        sig = -exitcode
+        return Failure(rank, signal_name(sig),
+                       f"rank {rank} was killed by {signal_name(sig)} (signal {sig}) "
+                       "without a Python traceback", "", time.monotonic(),
+                       hint=signal_hint(sig))
+    return Failure(rank, "WorkerExit", f"rank {rank} exited with code {exitcode} before "
+                   "returning (os._exit() or a crash in native code?)", "", time.monotonic(),
+                   hint=exit_hint if exitcode == 1 else "")
+
+
+def _poll(conn) -> bool:
+    try:
+        return conn.poll()
+    except (OSError, EOFError):
+        return False
+
+
+def _readable(conn) -> bool:
+    try:
+        return bool(selectors.select.select([conn.fileno()], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False
+
+
+def kill_group(pid: int, sig: int) -> None:
+    """Signal a worker and whatever it started (its process group).
+
+    The worker itself is also signalled by pid: a spawned worker becomes a group leader
+    only once its interpreter runs nbtrain's code (the kernel's ``setpgid`` fails after
+    the child's exec), and until then ``killpg`` finds no such group (an interrupted
+    start left such a worker alive). Only while ``pid`` is a live child of this process:
+    once reaped, the number may belong to someone else.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+    try:
+        alive = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:  # reaped already, or not our child
+        return
+    if alive:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
