@@ -235,6 +235,25 @@ def test_workers_exit_cleanly_run_after_run():
         assert run.results == [30, 30]
 
 
+def test_a_rank_leaves_at_once_with_its_code_running_no_teardown():
+    """What every rank's exit goes through: the code, and nothing of Python's teardown
+    (atexit, destructors) runs: that teardown is what hung in gloo's destructor."""
+    import multiprocessing
+
+    from nbtrain.rank.worker import leave
+
+    def child():
+        import atexit
+
+        atexit.register(lambda: os.write(1, b"teardown ran"))
+        leave(3)
+
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    process.join(30)
+    assert process.exitcode == 3
+
+
 def test_cell_files_are_named_as_ipython_names_them(monkeypatch):
     """What the kernel does to a worker's traceback (in-kernel: tests/test_kernel.py)."""
     import linecache

@@ -90,7 +90,7 @@ def leave(code: int) -> None:
             stream.flush()
         except Exception:
             pass
-    os.leave(code)
+    os._exit(code)
 
 
 def _become_worker(spec: WorkerSpec, out_w, err_w) -> None:
@@ -113,7 +113,7 @@ def _become_worker(spec: WorkerSpec, out_w, err_w) -> None:
         except OSError:
             pass
         if os.getppid() != spec.parent_pid:  # the kernel died before prctl took effect
-            os.leave(1)
+            os._exit(1)
     os.dup2(out_w.fileno(), 1)
     os.dup2(err_w.fileno(), 2)
     out_w.close()
