@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -312,6 +313,10 @@ class Context:
         if self._recorder is not None:
             self._recorder.on_batch(self._batches - 1, samples, epoch, epoch_steps)
 
+    def _data_time(self, seconds: float) -> None:
+        if self._recorder is not None:
+            self._recorder.data_time(seconds)
+
     def _on_epoch_end(self) -> None:
         if self._recorder is not None:
             self._recorder.on_epoch_end()
@@ -389,10 +394,21 @@ class DeviceLoader:
         device = self._ctx.device
         non_blocking = device.type == "cuda"
         steps = len(self.loader)
-        for batch in self.loader:
-            self._ctx._on_batch(_batch_size(batch), self.epoch, steps)
-            yield _to_device(batch, device, non_blocking)
-        self._ctx._on_epoch_end()
+        batches = iter(self.loader)
+        ctx = self._ctx
+        while True:
+            t = time.monotonic()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            ctx._data_time(time.monotonic() - t)  # the step that ends now waited for it
+            ctx._on_batch(_batch_size(batch), self.epoch, steps)
+            t = time.monotonic()
+            moved = _to_device(batch, device, non_blocking)
+            ctx._data_time(time.monotonic() - t)
+            yield moved
+        ctx._on_epoch_end()
         self.epoch += 1
 
 

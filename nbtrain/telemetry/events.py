@@ -40,6 +40,9 @@ class Step(Event):
     epoch: int = 0  # ctx.dataloader's epoch (0-based)
     epoch_steps: int = 0  # batches per epoch (0: unknown)
     total_steps: int = 0  # what the function said it will run (ctx.total_steps; 0: unknown)
+    # where the duration went, in seconds: data, forward, backward, optimizer, comm (waited
+    # for), other (telemetry/timing.py); empty when not measured
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ def decode(data: bytes) -> Event | None:
         event = cls(**values)
         if not isinstance(event.rank, int) or not isinstance(event.step, int):
             return None
-        for name in ("values", "counts", "bytes"):
+        for name in ("values", "counts", "bytes", "phases"):
             mapping = getattr(event, name, None)
             if mapping is not None and not (
                     isinstance(mapping, dict)

@@ -23,6 +23,7 @@ from .probes import (
     memory_by_category,
 )
 from .settings import Telemetry
+from .timing import StepClock
 
 METRIC_BATCH = 16  # ctx.log calls whose accelerator tensors are read back together
 
@@ -34,6 +35,11 @@ class Recorder:
         self.device = device
         self.client = client
         self.settings = settings
+        # where each step's time goes; installed first, so that its optimizer post-hook
+        # closes the optimizer phase before the step's boundary reads it
+        self.clock = StepClock() if settings.timing else None
+        if self.clock is not None:
+            self.clock.install_waits()
         self.comm = CommCounter() if settings.comm else None
         if self.comm:
             self.comm.install()
@@ -60,6 +66,8 @@ class Recorder:
         self._optimizers = list(optimizers)
         if strategy is not None and self.comm:
             self._ddp = strategy.collective_probe(model)
+        if self.clock is not None:
+            self.clock.watch(model, self._optimizers)
         if self._optimizers:
             self._optimizers[0].register_step_post_hook(self._after_optimizer_step)
         if self._activations is not None:
@@ -76,6 +84,8 @@ class Recorder:
         steps; every one seen counts in memory."""
         if not any(o is optimizer for o in self._optimizers):
             self._optimizers.append(optimizer)
+            if self.clock is not None:  # from its next step on (this one has begun)
+                self.clock.watch_optimizer(optimizer)
         if optimizer is self._optimizers[0]:
             self._after_optimizer_step(optimizer, args, kwargs)
 
@@ -122,6 +132,11 @@ class Recorder:
         self._boundary(step, samples)
         self._epoch = (epoch, epoch_steps)
 
+    def data_time(self, seconds: float) -> None:
+        """``ctx.dataloader`` spent ``seconds`` producing a batch (and moving it)."""
+        if self.clock is not None:
+            self.clock.data(seconds)
+
     def on_epoch_end(self) -> None:
         self._close_step(time.monotonic())
         self._last = None  # the gap until the next epoch is not a step
@@ -136,10 +151,12 @@ class Recorder:
     def _close_step(self, now: float) -> None:
         if self._last is None:
             return
+        duration = now - self._last
         self.client.send(Step(rank=self.rank, step=self._step, t=now,
-                              duration=now - self._last, samples=self._samples,
+                              duration=duration, samples=self._samples,
                               epoch=self._epoch[0], epoch_steps=self._epoch[1],
-                              total_steps=self.total_steps))
+                              total_steps=self.total_steps,
+                              phases=self.clock.take(duration) if self.clock else {}))
         if self.comm:
             counts, sizes = self.comm.take()
             buckets = self._ddp.take() if self._ddp is not None else []
@@ -228,3 +245,5 @@ class Recorder:
         self._close_step(end)
         if self.comm:
             self.comm.uninstall()
+        if self.clock is not None:
+            self.clock.uninstall()

@@ -21,6 +21,9 @@ class Telemetry:
     memory_every: int = 10
     # Count collectives (op type, calls, logical bytes) per step.
     comm: bool = True
+    # Measure where each step's time goes on each rank (data, forward, backward,
+    # optimizer, communication waited for, other): a few Python calls per step.
+    timing: bool = True
     # Also measure activations (bytes saved for backward by the forward of the model
     # ctx.setup returned) and the step's tensor-level peak, on the memory-sampled steps:
     # the Memory events gain "activations" and "peak".

@@ -1,5 +1,6 @@
 """``run.summary()``: per-rank figures from the history — peak memory by category, mean
-step time, throughput, communication per step, last metric values."""
+step time and where it went (data, forward, backward, optimizer, communication waited
+for, other), throughput, communication per step, last metric values."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from .events import Comm, Memory, Metric, Step
 from .history import History
+from .timing import PHASES
 
 MEMORY_ORDER = ("params", "grads", "optimizer", "activations", "peak", "params_host",
                 "grads_host", "optimizer_host", "cuda_allocated", "cuda_reserved", "cuda_peak",
@@ -24,11 +26,18 @@ class RankSummary:
     samples_per_s: float | None = None
     memory: dict[str, int] = field(default_factory=dict)  # peak bytes per category
     comm_per_step: dict[str, dict[str, float]] = field(default_factory=dict)  # op -> calls, bytes
+    # mean seconds per step in each phase (telemetry/timing.py), same steps as step_time
+    phases: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)  # last value of each
 
     @property
     def model_bytes(self) -> int:
         return sum(self.memory.get(k, 0) for k in ("params", "grads", "optimizer"))
+
+    def share(self, phase: str) -> float | None:
+        """The fraction of this rank's step time spent in ``phase``, or None."""
+        total = sum(self.phases.values())
+        return self.phases[phase] / total if total > 0 and phase in self.phases else None
 
 
 @dataclass
@@ -39,12 +48,29 @@ class Summary:
     def samples_per_s(self) -> float:
         return sum(r.samples_per_s or 0.0 for r in self.ranks)
 
+    @property
+    def comm_share(self) -> float | None:
+        """The largest fraction of a step any rank spent waiting for communication."""
+        shares = [r.share("comm") for r in self.ranks if r.share("comm") is not None]
+        return max(shares) if shares else None
+
+    def time_line(self) -> str | None:
+        """Where the step time goes, in one sentence (the slowest rank's), or None."""
+        timed = [r for r in self.ranks if r.phases and r.step_time]
+        if not timed:
+            return None
+        r = max(timed, key=lambda r: r.step_time)
+        parts = [f"{name} {r.share(name):.0%}" for name in PHASES if (r.share(name) or 0) >= 0.005]
+        return (f"where a step's {r.step_time * 1000:.1f} ms went"
+                f"{f' on rank {r.rank}' if len(self.ranks) > 1 else ''}: {', '.join(parts)}")
+
     def rows(self) -> list[dict[str, Any]]:
         rows = []
         for r in self.ranks:
             row: dict[str, Any] = {"rank": r.rank, "steps": r.steps, "step_time_s": r.step_time,
                                    "samples_per_s": r.samples_per_s}
             row.update({f"{k}_bytes": v for k, v in r.memory.items()})
+            row.update({f"{k}_s": v for k, v in r.phases.items()})
             for op, figures in r.comm_per_step.items():
                 row[f"{op}_calls_per_step"] = figures["calls"]
                 row[f"{op}_bytes_per_step"] = figures["bytes"]
@@ -66,6 +92,9 @@ class Summary:
                    ("steps", [str(r.steps) for r in self.ranks]),
                    ("step ms", [_fmt(r.step_time, 1000, ".1f") for r in self.ranks]),
                    ("samples/s", [_fmt(r.samples_per_s, 1, ".0f") for r in self.ranks])]
+        phases = [k for k in PHASES if any(k in r.phases for r in self.ranks)]
+        columns += [(f"{k} %", [_fmt(r.share(k), 100, ".0f") for r in self.ranks])
+                    for k in phases]
         columns += [(k, [_fmt(r.metrics.get(k), 1, ".4g") for r in self.ranks])
                     for k in metric_names]
         columns += [(f"{k.replace('_host', ' (host)')} MB",
@@ -84,6 +113,8 @@ class Summary:
         lines.insert(1, "  ".join("-" * w for w in widths))
         if len(self.ranks) > 1 and self.samples_per_s:
             lines.append(f"total throughput: {self.samples_per_s:.0f} samples/s")
+        if self.time_line():
+            lines.append(self.time_line())
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -98,9 +129,11 @@ class Summary:
             f"<tr><th style='text-align:left'>{html.escape(name)}</th>"
             + "".join(f"<td style='text-align:right'>{html.escape(c)}</td>" for c in cells)
             + "</tr>" for name, cells in rows)
-        total = (f"<caption style='caption-side:bottom;text-align:left'>total throughput: "
-                 f"{self.samples_per_s:.0f} samples/s</caption>"
-                 if len(self.ranks) > 1 and self.samples_per_s else "")
+        notes = [f"total throughput: {self.samples_per_s:.0f} samples/s"
+                 if len(self.ranks) > 1 and self.samples_per_s else "", self.time_line() or ""]
+        notes = "<br>".join(html.escape(n) for n in notes if n)
+        total = (f"<caption style='caption-side:bottom;text-align:left'>{notes}</caption>"
+                 if notes else "")
         return (f"<table class='nbtrain-summary'>{total}<thead><tr><th></th>{head}</tr>"
                 f"</thead><tbody>{body}</tbody></table>")
 
@@ -129,6 +162,10 @@ def summarize(history: History, world_size: int) -> Summary:
             s.step_time = total / len(timed)
             samples = sum(e.samples for e in timed)
             s.samples_per_s = samples / total if total > 0 and samples else None
+            measured = [e for e in timed if e.phases]
+            if measured:
+                s.phases = {k: sum(e.phases.get(k, 0.0) for e in measured) / len(measured)
+                            for k in PHASES}
         for e in history.events("memory", rank):
             if isinstance(e, Memory):
                 for k, v in e.values.items():

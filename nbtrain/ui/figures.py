@@ -5,9 +5,12 @@ Both views draw from ``figure_json(state)`` (``trace_specs`` and ``layout_update
 plotly.js takes them): the static view makes a plotly figure of it; the live chart
 (``livechart.py``) is sent it whole when it changed.
 
-Up to six panels — metrics by step, step time, samples/s, memory per rank stacked by
-category, communication per step by op, the CUDA allocator's figures — and only those
-that have data are laid out (three a row), so a CPU run shows no CUDA panel. The rules
+Up to seven panels — metrics by step, step time, where each rank's step time goes
+(stacked by phase: data, forward, backward, optimizer, communication waited for,
+other; the mean of its last steps, so a straggler or a rank waiting on the others shows),
+samples/s, memory per rank stacked by category, communication per step by op, the CUDA
+allocator's figures — and only those that have data are laid out (three a row), so a
+CPU run shows no CUDA panel. The rules
 that keep it readable:
 
 - one colour per rank (``RANK_COLORS``) in every panel that has ranks, named once in the
@@ -39,8 +42,14 @@ PANELS = {  # key -> (title, x label, y label, y non-negative), in layout order
     "memory": ("Model state per rank", "", "KB", True),
     "comm": ("Communication per step", "step", "KB per step", True),
     "cuda": ("CUDA allocator per rank", "", "KB", True),
+    "time": ("Where the step time goes", "", "ms per step", True),
 }
 AXES = {key: i + 1 for i, key in enumerate(PANELS)}  # panel -> its axis pair number
+LAYOUT_ORDER = ("metrics", "step_time", "time", "rate", "memory", "comm", "cuda")
+PHASE_COLORS = {"data": "#A6761D", "forward": "#7FC97F", "backward": "#BEAED4",
+                "optimizer": "#FDC086", "comm": "#E7298A", "other": "#D9D9D9"}
+PHASE_LABELS = {"data": "data loading", "optimizer": "optimizer step",
+                "comm": "communication (waited)"}
 # Model state in host memory on a GPU run (FSDP's CPU offload): drawn hatched, "(host)".
 HOST_CATEGORIES = ("params_host", "grads_host", "optimizer_host")
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", *HOST_CATEGORIES)
@@ -69,8 +78,8 @@ def category_marker(cat: str) -> dict:
 COLLECTIVE_COLORS = ("#4D4D4D", "#E69F00", "#0072B2", "#CC79A7", "#7F3B08", "#35978F")
 DASHES = ("solid", "dot", "dash", "dashdot", "longdash")
 WARMUP_CLIP = 1.2  # the warm-up mark is drawn at most this × the slowest other step
-LEGEND_RANKS = {"rank": 100, "metric": 200, "warmup": 300, "memory": 400, "cuda": 500,
-                "comm": 600}
+LEGEND_RANKS = {"rank": 100, "metric": 200, "warmup": 300, "time": 350, "memory": 400,
+                "cuda": 500, "comm": 600}
 # Between panels, as fractions of the plot area: room for a y-axis' ticks and title so
 # they do not sit on the neighbouring panel.
 H_GAP, V_GAP = 0.11, 0.16
@@ -185,6 +194,7 @@ def trace_specs(state: LiveState) -> list[TraceSpec]:
                  "hovertemplate": f"rank {rank}: %{{y:.4g}} {unit} at step %{{x}}<extra></extra>"},
                 {"x": x, "y": y}, table[rank].version))
     specs += _warmup_specs(state)
+    specs += _phase_specs(state)
     ranks_with_memory = sorted(state.memory)
     labels = [f"rank {r}" for r in ranks_with_memory]
     units = byte_units(state)
@@ -212,6 +222,32 @@ def trace_specs(state: LiveState) -> list[TraceSpec]:
             {"x": x, "y": [v / size for v in y],
              "hovertemplate": f"{op}: %{{y:.3g}} {unit} at step %{{x}}<extra></extra>"},
             (state.comm[op].version, unit)))
+    return specs
+
+
+def _phase_specs(state: LiveState) -> list[TraceSpec]:
+    """Each rank's step time stacked by phase (ms per step, its last steps' mean)."""
+    ranks = sorted(state.phases)
+    if not ranks:
+        return []
+    means = {r: state.phase_ms(r) for r in ranks}
+    labels = [f"rank {r}" for r in ranks]
+    specs = []
+    for i, phase in enumerate(PHASE_COLORS):
+        if not any(means[r].get(phase) for r in ranks):
+            continue
+        y = [round(means[r].get(phase, 0.0), 3) for r in ranks]
+        shares = [f"{v / total:.0%}" if (total := sum(means[r].values())) > 0 else ""
+                  for v, r in zip(y, ranks, strict=True)]
+        name = PHASE_LABELS.get(phase, phase)
+        specs.append(TraceSpec(
+            f"time:{phase}", "time", "bar",
+            {"name": name, "marker": {"color": PHASE_COLORS[phase]}, "legendgroup": phase,
+             "legendrank": LEGEND_RANKS["time"] + i},
+            {"x": labels, "y": y, "customdata": shares,
+             "hovertemplate": f"%{{x}} {name}: %{{y:.3g}} ms per step (%{{customdata}})"
+                              "<extra></extra>"},
+            (tuple(labels), tuple(y))))
     return specs
 
 
@@ -250,8 +286,9 @@ def visible_panels(state: LiveState) -> list[str]:
         "memory": any(c in m for m in state.memory.values() for c in MEMORY_CATEGORIES),
         "comm": bool(state.comm),
         "cuda": any(c in m for m in state.memory.values() for c in CUDA_CATEGORIES),
+        "time": bool(state.phases),
     }
-    shown = [k for k in PANELS if has[k]]
+    shown = [k for k in LAYOUT_ORDER if has[k]]
     return shown or ["metrics", "step_time", "rate"]
 
 
@@ -299,13 +336,13 @@ def layout_updates(state: LiveState, height: int | None = None) -> dict[str, Any
         out[f"{title}.x"], out[f"{title}.y"] = round(x0 + cell_w / 2, 4), round(y1, 4)
     top = max((max(s.points()[1], default=0) for s in state.comm.values()), default=0)
     if top > 0:
-        out["yaxis5.range"] = [0, COMM_HEADROOM * top / units["comm"][1]]
+        out[f"{_axis(AXES['comm'], 'y')}.range"] = [0, COMM_HEADROOM * top / units["comm"][1]]
     out["height"] = height or figure_height(rows)
     return out
 
 
 def figure_height(rows: int) -> int:
-    return 340 if rows == 1 else 600
+    return {1: 340, 2: 600}.get(rows, 860)
 
 
 def base_layout(height: int | None = None) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from ..telemetry.events import Comm, Event, Lifecycle, Memory, Metric, Step
@@ -18,6 +19,7 @@ from .series import Series
 if TYPE_CHECKING:
     from ..run import Run
 
+PHASE_WINDOW = 20  # the time breakdown shows the mean of each rank's last steps
 _LIFECYCLE = {"started": "running", "finished": "done", "failed": "failed"}
 
 
@@ -36,6 +38,8 @@ class LiveState:
         self.last_step = -1  # rank 0's last finished step index
         self.samples: dict[int, int] = {}
         self.busy: dict[int, float] = {}  # seconds spent in timed steps
+        # rank -> where its recent steps' time went (telemetry/timing.py), newest last
+        self.phases: dict[int, deque[dict[str, float]]] = {}
         self.memory: dict[int, dict[str, int]] = {}  # latest bytes by category
         self.comm: dict[str, Series] = {}  # op -> bytes per step, first rank that reports
         self.comm_rank: int | None = None
@@ -85,6 +89,8 @@ class LiveState:
                     e.step, e.samples / e.duration)
             self.samples[rank] = self.samples.get(rank, 0) + e.samples
             self.busy[rank] = self.busy.get(rank, 0.0) + e.duration
+            if e.phases:
+                self.phases.setdefault(rank, deque(maxlen=PHASE_WINDOW)).append(e.phases)
         elif isinstance(e, Memory):
             self.memory[rank] = dict(e.values)
         elif isinstance(e, Comm):
@@ -149,6 +155,14 @@ class LiveState:
     @property
     def ranks(self) -> list[int]:
         return list(range(self.world_size))
+
+    def phase_ms(self, rank: int) -> dict[str, float]:
+        """Mean milliseconds per step in each phase over the rank's last steps."""
+        recent = self.phases.get(rank)
+        if not recent:
+            return {}
+        names = dict.fromkeys(k for p in recent for k in p)
+        return {k: 1000 * sum(p.get(k, 0.0) for p in recent) / len(recent) for k in names}
 
     @property
     def metric_names(self) -> list[str]:

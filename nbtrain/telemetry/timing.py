@@ -1,0 +1,182 @@
+"""Worker side: where a rank's step time goes, measured around the points every training
+step passes, on the rank's own clock (CPU ranks; on a GPU these are host times, see below).
+
+- **data**: inside ``ctx.dataloader``'s iteration (the next batch, and its move to the
+  device).
+- **forward**: the watched model's forward (its forward pre-hook to its forward hook).
+- **backward**: from the moment the backward pass reaches the model's output (a hook on
+  the output's gradient) to the end of autograd's work, marked by a callback queued on
+  autograd's engine at that moment (engine callbacks run in the order queued, after the
+  last gradient: DDP and FSDP queue theirs later, when their last bucket is ready).
+- **optimizer**: the optimizers' ``step()`` (their step pre- and post-hooks).
+- **comm**: communication the rank *waited* for, not hidden behind compute:
+  the rest of autograd's final callbacks (a second callback, queued from the first, runs
+  after DDP's ``finalize_backward`` and FSDP's post-backward callback, which wait for the
+  gradients' all-reduce or reduce-scatter), plus every wait on a collective made from
+  Python (``Work.wait()``, which ``torch.distributed``'s collectives called without
+  ``async_op`` call too: FSDP's all-gathers, ``dist.all_reduce`` of a loss, ZeRO's
+  broadcasts). A wait inside another
+  phase counts as comm, not as that phase.
+- **other**: the rest of the step (the user's own code: the loss, logging, ``zero_grad``).
+
+Costs a few Python calls per forward, backward and optimizer step, and one per wait on a
+collective; no device synchronisation. On a GPU a wait on a collective returns at once
+(the stream waits, not the host), so the breakdown there is the host's view: forward and
+backward are the time to *queue* the work, and the wait shows up where the host first
+syncs (the optimizer step, or ``.item()`` in other).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+PHASES = ("data", "forward", "backward", "optimizer", "comm", "other")
+
+
+def _engine():
+    """autograd's engine, whose ``queue_callback`` torch's DDP and FSDP use the same way;
+    None where this torch has none (the breakdown then puts the final wait in backward)."""
+    return getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+
+
+class StepClock:
+    """Accumulates each phase's seconds between ``take()`` calls (one per step)."""
+
+    def __init__(self):
+        self._acc = dict.fromkeys(PHASES, 0.0)
+        self._waited = 0.0  # seconds waited on collectives, ever (phases subtract theirs)
+        self._forward_at: tuple[float, float] | None = None  # (started, waited then)
+        self._backward_at: tuple[float, float] | None = None
+        self._optimizer_at: tuple[float, float] | None = None
+        self._final_at: tuple[float, float] | None = None
+        self._hooks: list = []
+        self._wait_original = None
+        self._engine = _engine()
+
+    # -- installing ----------------------------------------------------------------------
+    def watch(self, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Time ``model``'s forward and backward and the optimizers' steps. Call before any
+        other step post-hook that reads ``take()`` (post-hooks run in the order added)."""
+        self._hooks.append(model.register_forward_pre_hook(self._forward_start))
+        self._hooks.append(model.register_forward_hook(self._forward_end))
+        for opt in optimizers:
+            self.watch_optimizer(opt)
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self._hooks.append(optimizer.register_step_pre_hook(self._optimizer_start))
+        self._hooks.append(optimizer.register_step_post_hook(self._optimizer_end))
+
+    def install_waits(self) -> None:
+        """Time every wait on a collective made from Python: ``Work.wait``, which the
+        collectives of ``torch.distributed`` called without ``async_op`` call too."""
+        work = getattr(getattr(torch._C, "_distributed_c10d", None), "Work", None)
+        if work is not None and self._wait_original is None:
+            original = work.wait
+            clock = self
+
+            def wait(self, *args, **kwargs):
+                t = time.monotonic()
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    clock._waited += time.monotonic() - t
+
+            try:
+                work.wait = wait
+                self._wait_original = original
+            except (AttributeError, TypeError):  # a build whose Work is sealed
+                pass
+
+    def uninstall(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._wait_original is not None:
+            torch._C._distributed_c10d.Work.wait = self._wait_original
+            self._wait_original = None
+
+    # -- what the loop passes --------------------------------------------------------------
+    def data(self, seconds: float) -> None:
+        self._acc["data"] += seconds
+
+    def _forward_start(self, module, args) -> None:
+        self._forward_at = (time.monotonic(), self._waited)
+
+    def _forward_end(self, module, args, output) -> None:
+        if self._forward_at is not None:
+            self._close(self._forward_at, "forward")
+            self._forward_at = None
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._backward_start)
+                    break
+
+    def _backward_start(self, grad):
+        if self._backward_at is None:
+            self._backward_at = (time.monotonic(), self._waited)
+            if self._engine is not None:
+                self._engine.queue_callback(self._backward_end)
+        return None
+
+    def _backward_end(self) -> None:
+        """autograd's work is done; the final callbacks queued after this one (DDP's,
+        FSDP's) wait for the gradients' communication."""
+        if self._backward_at is not None:
+            self._close(self._backward_at, "backward")
+            self._backward_at = None
+            self._final_at = (time.monotonic(), self._waited)
+            self._engine.queue_callback(self._final_end)
+
+    def _final_end(self) -> None:
+        if self._final_at is not None:
+            started, waited = self._final_at
+            self._final_at = None
+            # all of it is waiting (Python waits in it are in _waited already)
+            self._waited += (time.monotonic() - started) - (self._waited - waited)
+
+    def _optimizer_start(self, optimizer, args, kwargs) -> None:
+        if self._optimizer_at is None:  # several optimizers: the first one's start
+            self._optimizer_at = (time.monotonic(), self._waited)
+
+    def _optimizer_end(self, optimizer, args, kwargs) -> None:
+        if self._optimizer_at is not None:
+            self._close(self._optimizer_at, "optimizer")
+            self._optimizer_at = None
+
+    def _close(self, at: tuple[float, float], phase: str) -> None:
+        started, waited = at
+        self._acc[phase] += (time.monotonic() - started) - (self._waited - waited)
+
+    # -- one step ------------------------------------------------------------------------
+    def take(self, duration: float) -> dict[str, float]:
+        """The phases of a step that lasted ``duration`` seconds (``other``: the rest),
+        and start the next step's."""
+        acc, self._acc = self._acc, dict.fromkeys(PHASES, 0.0)
+        acc["comm"], self._waited = self._waited, 0.0
+        for name in ("_forward_at", "_backward_at", "_final_at", "_optimizer_at"):
+            at = getattr(self, name)  # open across the boundary: its waits were taken
+            if at is not None:
+                setattr(self, name, (at[0], at[1] - acc["comm"]))
+        acc["other"] = max(0.0, duration - sum(acc.values()))
+        return {k: round(v, 6) for k, v in acc.items()}
+
+
+def _tensors(output, depth: int = 0):
+    """The tensors in a forward's output: a tensor, or inside a tuple, list or dict (a
+    transformers ``ModelOutput`` is one) of them."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif depth < 3 and isinstance(output, (tuple, list)):
+        for o in output:
+            yield from _tensors(o, depth + 1)
+    elif depth < 3 and isinstance(output, dict):
+        for o in output.values():
+            yield from _tensors(o, depth + 1)
+
+
+__all__ = ["PHASES", "StepClock"]
