@@ -15,8 +15,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
+from .loader import DeviceLoader
 from .strategies.precision import ScaledOptimizer, unwrap
 from .telemetry.recorder import Recorder
 
@@ -291,7 +290,8 @@ class Context:
         kwargs.setdefault("pin_memory", self.device.type == "cuda")
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                             drop_last=drop_last, **kwargs)
-        return DeviceLoader(loader, sampler, self)
+        return DeviceLoader(loader, sampler, self.device, on_batch=self._on_batch,
+                            on_data_time=self._data_time, on_epoch_end=self._on_epoch_end)
 
     @property
     def total_steps(self) -> int | None:
@@ -375,62 +375,3 @@ class Accumulator:
         block.__exit__(*exc)
         if exc[0] is None:
             self.micro_steps += 1
-
-
-class DeviceLoader:
-    """Iterates a DataLoader, moving each batch to the rank's device and counting steps."""
-
-    def __init__(self, loader: DataLoader, sampler: DistributedSampler, ctx: Context):
-        self.loader = loader
-        self.sampler = sampler
-        self.epoch = 0
-        self._ctx = ctx
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Iterator[Any]:
-        self.sampler.set_epoch(self.epoch)
-        device = self._ctx.device
-        non_blocking = device.type == "cuda"
-        steps = len(self.loader)
-        batches = iter(self.loader)
-        ctx = self._ctx
-        while True:
-            t = time.monotonic()
-            try:
-                batch = next(batches)
-            except StopIteration:
-                break
-            ctx._data_time(time.monotonic() - t)  # the step that ends now waited for it
-            ctx._on_batch(_batch_size(batch), self.epoch, steps)
-            t = time.monotonic()
-            moved = _to_device(batch, device, non_blocking)
-            ctx._data_time(time.monotonic() - t)
-            yield moved
-        ctx._on_epoch_end()
-        self.epoch += 1
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            size = _batch_size(item)
-            if size:
-                return size
-    return 0
-
-
-def _to_device(obj: Any, device: torch.device, non_blocking: bool) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=non_blocking)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device, non_blocking) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        moved = [_to_device(v, device, non_blocking) for v in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
-    return obj

@@ -169,10 +169,17 @@ def test_one_colour_per_rank_in_every_panel():
 
 
 def test_categories_and_collectives_have_their_own_palette():
-    from nbtrain.ui.figures import CATEGORY_COLORS, COLLECTIVE_COLORS, RANK_COLORS
+    from nbtrain.ui.palette import (
+        CATEGORY_COLORS,
+        COLLECTIVE_COLORS,
+        PHASE_COLORS,
+        RANK_COLORS,
+    )
 
     assert not set(CATEGORY_COLORS.values()) & set(RANK_COLORS)
     assert not set(COLLECTIVE_COLORS) & set(RANK_COLORS)
+    assert not set(PHASE_COLORS.values()) & (set(RANK_COLORS) | set(CATEGORY_COLORS.values())
+                                             | set(COLLECTIVE_COLORS))
     state = LiveState(2)
     events = recorded(steps=12)
     events += [Comm(0, s, 0.0, {"all_gather": 1}, {"all_gather": 8192}) for s in range(12)]
