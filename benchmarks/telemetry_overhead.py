@@ -1,9 +1,9 @@
 """What does telemetry cost a training step?
 
 The same 2-rank CPU training (~1M-parameter MLP, a few hundred steps, DDP and FSDP)
-with telemetry off, with the defaults (metrics, step times, memory every 10 steps,
-communication per step), with communication counting alone off, and with every probe
-on every step. Rounds are interleaved, in an order that alternates between rounds; each
+with telemetry off, with the defaults (metrics, step times and where they go, memory
+every 10 steps, communication per step), with communication counting alone off, with the
+time breakdown alone off, and with every probe on every step. Rounds are interleaved, in an order that alternates between rounds; each
 run's steps/s is measured inside rank 0's loop (launch and teardown excluded).
 
 On a shared 2-core machine one run's speed wanders by ±10 %, so a ratio of two runs says
@@ -36,6 +36,7 @@ MODES = {
     "off": False,
     "default": True,
     "default without comm count": nbtrain.Telemetry(comm=False),
+    "default without time breakdown": nbtrain.Telemetry(timing=False),
     "memory every step + comm": nbtrain.Telemetry(memory_every=1, comm=True),
 }
 

@@ -7,6 +7,7 @@
 """
 
 from . import checkpoint, strategies
+from .bandwidth import bandwidth
 from .context import Context
 from .errors import RunStoppedError, RunTimeoutError, WorkerError, remember_cell_names
 from .launch import culprit, launch
@@ -15,11 +16,13 @@ from .run import Run, last_run
 from .scaleout import torchrun as _torchrun  # noqa: F401  (launch() under torchrun)
 from .scaleout.listen import listen
 from .scaleout.slurm import submit
+from .scaling import scaling
 from .telemetry.settings import Telemetry
 from .ui import StrategyPicker, compare, progress
 
 __all__ = ["Context", "RankPool", "Run", "RunStoppedError", "RunTimeoutError",
-           "StrategyPicker", "Telemetry", "WorkerError", "compare", "last_run", "launch",
+           "StrategyPicker", "Telemetry", "WorkerError", "bandwidth", "compare", "last_run",
+           "launch", "scaling",
            "listen", "progress", "strategies", "checkpoint", "submit"]
 __version__ = "0.1.0"
 

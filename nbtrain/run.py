@@ -91,6 +91,8 @@ class Run:
         # Set by nbtrain.listen(): a run of a job elsewhere, watched. It has the job's
         # events (history, summary) but not its results, which stay with the job.
         self.remote: dict | None = None
+        # A one-rank run of the same function this run's summary is measured against.
+        self.baseline: Run | None = None
 
     # -- public ------------------------------------------------------------------------
     @property
@@ -155,10 +157,17 @@ class Run:
             raise RuntimeError("run.save_report() needs nbtrain's UI (import nbtrain).")
         return write([self], path)
 
-    def summary(self) -> Summary:
-        """Per rank: peak memory by category, mean step time, throughput, communication
-        per step, last metric values. Printable as a table."""
-        return summarize(self.history, self.world_size)
+    def summary(self, baseline: Run | None = None) -> Summary:
+        """Per rank: peak memory by category, mean step time and where it went,
+        throughput, communication per step, last metric values. Printable as a table.
+
+        When more devices do not pay it says so in one sentence, with what would help:
+        from the time breakdown alone, or beside ``baseline`` (a one-rank run of the same
+        function; ``run.baseline`` once set, as ``nbtrain.scaling`` does) with the
+        speed-up and scaling efficiency."""
+        baseline = baseline if baseline is not None else self.baseline
+        return summarize(self.history, self.world_size, self.strategy, self.accelerator,
+                         baseline.summary() if baseline is not None else None)
 
     def add_sink(self, sink: Sink) -> None:
         """Send this run's events to ``sink`` too (``on_events(events)``, ``close(run)``)."""

@@ -237,6 +237,11 @@ class Strategy:
         """Among how many ranks what it shards is divided (hybrid sharding: a group)."""
         return world_size
 
+    def fewer_bytes(self, accelerator: str) -> list[str]:
+        """What would make this strategy communicate less per step, each one argument
+        away (the run's summary names them when communication costs the ranks)."""
+        return []
+
     def theory(self, state: dict[str, float], world_size: int,
                n_params: int) -> dict[str, float]:
         """The ZeRO table's row: the bytes of model state one rank holds on its device,

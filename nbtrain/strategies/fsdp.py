@@ -74,6 +74,13 @@ class FSDP(Strategy):
     def shards(self, world_size: int) -> int:
         return self.mesh_shape(world_size)[1] if self.hybrid else world_size
 
+    def fewer_bytes(self, accelerator: str) -> list[str]:
+        if self.reshard_after_forward:
+            return ["strategy='fsdp_grad_op': the parameters gathered for forward are kept "
+                    "for backward, one all-gather less per step (for more memory)"]
+        return ["strategy='ddp', if the whole model state fits on each device: one "
+                "all-reduce of the gradients and no all-gathers"]
+
     def theory(self, state: dict[str, float], world_size: int,
                n_params: int) -> dict[str, float]:
         if self.offload:  # the shards live in host memory: ~0 on the device

@@ -9,6 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from .advice import Scaling, advice_text, verdict
 from .events import Comm, Memory, Metric, Step
 from .history import History
 from .timing import PHASES
@@ -43,6 +44,21 @@ class RankSummary:
 @dataclass
 class Summary:
     ranks: list[RankSummary]
+    # beside a one-rank run of the same function (``run.summary(baseline=...)``)
+    scaling: Scaling | None = None
+    verdict: str | None = None  # when more devices do not pay (telemetry/advice.py)
+    remedies: list[str] = field(default_factory=list)
+
+    @property
+    def step_time(self) -> float | None:
+        """The slowest rank's mean step time: what the run waits for."""
+        times = [r.step_time for r in self.ranks if r.step_time]
+        return max(times) if times else None
+
+    @property
+    def advice(self) -> str:
+        """The verdict and what would help, as text ("" when the ranks scale well)."""
+        return advice_text(self.verdict, self.remedies)
 
     @property
     def samples_per_s(self) -> float:
@@ -115,6 +131,8 @@ class Summary:
             lines.append(f"total throughput: {self.samples_per_s:.0f} samples/s")
         if self.time_line():
             lines.append(self.time_line())
+        if self.advice:
+            lines.append(self.advice)
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -132,6 +150,9 @@ class Summary:
         notes = [f"total throughput: {self.samples_per_s:.0f} samples/s"
                  if len(self.ranks) > 1 and self.samples_per_s else "", self.time_line() or ""]
         notes = "<br>".join(html.escape(n) for n in notes if n)
+        if self.verdict:
+            notes += f"<br><b>{html.escape(self.verdict)}</b>" + "".join(
+                f"<br>&nbsp;&nbsp;– {html.escape(r)}" for r in self.remedies)
         total = (f"<caption style='caption-side:bottom;text-align:left'>{notes}</caption>"
                  if notes else "")
         return (f"<table class='nbtrain-summary'>{total}<thead><tr><th></th>{head}</tr>"
@@ -150,7 +171,22 @@ def _fmt(value, scale: float, spec: str) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
-def summarize(history: History, world_size: int) -> Summary:
+def summarize(history: History, world_size: int, strategy=None, accelerator: str = "cpu",
+              baseline: Summary | None = None) -> Summary:
+    """Per-rank figures of ``history``; with ``strategy`` (what remedies it offers) and
+    ``baseline`` (a one-rank run's summary), the verdict on how the ranks scaled."""
+    summary = Summary(_ranks(history, world_size))
+    if baseline is not None and baseline.step_time and summary.step_time:
+        summary.scaling = Scaling(world_size, summary.step_time, baseline.step_time)
+    fewer = strategy.fewer_bytes(accelerator) if hasattr(strategy, "fewer_bytes") else []
+    data = [r.share("data") for r in summary.ranks if r.share("data") is not None]
+    summary.verdict, summary.remedies = verdict(world_size, summary.comm_share,
+                                                max(data, default=None), summary.scaling,
+                                                fewer)
+    return summary
+
+
+def _ranks(history: History, world_size: int) -> list[RankSummary]:
     ranks = []
     for rank in range(world_size):
         s = RankSummary(rank)
@@ -184,4 +220,4 @@ def summarize(history: History, world_size: int) -> Summary:
             if isinstance(e, Metric):
                 s.metrics.update(e.values)
         ranks.append(s)
-    return Summary(ranks)
+    return ranks

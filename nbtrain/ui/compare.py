@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..cells import mark_shown, shown_here
+from ..telemetry.advice import Scaling, advice_text, verdict
 from ..telemetry.summary import Summary
-from .figures import (
+from .palette import (
     HOST_CATEGORIES,
     category_label,
     category_marker,
@@ -51,6 +52,9 @@ class Row:
     theory: dict[str, float] | None = None
     status: str = "done"
     chosen: Any = None  # the run's Strategy (or its name, for a run watched from afar)
+    comm_share: float | None = None  # of a step, spent waiting on communication
+    fn: str = ""  # the function's name: runs of the same one are compared for scaling
+    accelerator: str = "cpu"
 
     @property
     def model_bytes(self) -> int:
@@ -179,7 +183,9 @@ class Comparison:
                             run.world_size, [dict(r.memory) for r in summary.ranks],
                             sum(times) / len(times) if times else None,
                             summary.samples_per_s or None, comm, status=run.status,
-                            chosen=run.strategy))
+                            chosen=run.strategy, comm_share=summary.comm_share,
+                            fn=getattr(run, "fn_name", ""),
+                            accelerator=getattr(run, "accelerator", "cpu")))
         return rows
 
     def _derive_n_params(self) -> int | None:
@@ -200,7 +206,7 @@ class Comparison:
     def table(self) -> str:
         host = any(r.host_bytes for r in self.rows)
         header = ["strategy", "ranks", "model state/rank", *(["in host memory"] if host else []),
-                  "theory/rank", "step ms", "samples/s", "comm/step"]
+                  "theory/rank", "step ms", "samples/s", "comm/step", "comm wait"]
         lines = [header]
         for r in self.rows:
             theory = sum(r.theory.values()) if r.theory else None
@@ -209,7 +215,8 @@ class Comparison:
                           _fmt_bytes(theory) if theory is not None else "-",
                           f"{r.step_time * 1000:.1f}" if r.step_time else "-",
                           f"{r.samples_per_s:,.0f}" if r.samples_per_s else "-",
-                          _fmt_bytes(sum(r.comm.values())) if r.comm else "-"])
+                          _fmt_bytes(sum(r.comm.values())) if r.comm else "-",
+                          f"{r.comm_share:.0%}" if r.comm_share is not None else "-"])
         widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
         out = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in lines]
         out.insert(1, "  ".join("-" * w for w in widths))
@@ -227,6 +234,23 @@ class Comparison:
             out.append(f"{r.label}: ranks held {_fmt_bytes(r.least_bytes)} to "
                        f"{_fmt_bytes(r.model_bytes)} of model state (the largest is "
                        f"compared).{why}")
+        return out + self.scaling_notes()
+
+    def scaling_notes(self) -> list[str]:
+        """For each run on several ranks beside a one-rank run of the same function: its
+        speed-up and scaling efficiency, and what would help when it does not pay."""
+        out = []
+        for r in self.rows:
+            one = next((b for b in self.rows if b.world_size == 1 and b.fn == r.fn
+                        and b.step_time), None)
+            if r.world_size < 2 or one is None or not r.step_time:
+                continue
+            fewer = r.chosen.fewer_bytes(r.accelerator) if hasattr(r.chosen, "fewer_bytes") \
+                else []
+            sentence, remedies = verdict(r.world_size, r.comm_share, None,
+                                         Scaling(r.world_size, r.step_time, one.step_time),
+                                         fewer)
+            out.append(f"{r.label}: {advice_text(sentence, remedies)}")
         return out
 
     def __str__(self) -> str:

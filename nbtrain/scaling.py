@@ -1,0 +1,38 @@
+"""``nbtrain.scaling()``: does a function train faster on N devices than on one? It runs
+the function on one device, then on N, and returns the N-device run measured against
+the one-device run: its summary says the speed-up, the scaling efficiency, where the step
+time went, and, when more devices do not pay, why and what would help
+(``telemetry/advice.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .launch import launch
+from .launch.devices import parse_devices
+from .run import Run
+
+
+def scaling(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = "auto",
+            accelerator: str = "auto", **options: Any) -> Run:
+    """Run ``fn(ctx, *args)`` on one device, then on ``devices``; returns the second run
+    with ``run.baseline`` set to the first, so ``run.summary()`` (and the summary shown
+    when the run ends) compares them. ``options`` are ``launch()``'s (strategy, ...).
+
+        run = nbtrain.scaling(train, devices=2)
+        run.summary().scaling.speedup       # e.g. 0.83: two ranks were slower than one
+        print(run.summary().advice)          # the verdict, and what would help
+    """
+    plan = parse_devices(devices, accelerator)
+    if plan.world_size < 2:
+        raise ValueError(f"scaling() compares several devices with one, and devices="
+                         f"{devices!r} gives {plan.world_size}: give devices=2 or more.")
+    if options.get("background"):
+        raise ValueError("scaling() runs its two launches one after the other; "
+                         "background=True is not for it.")
+    one = [plan.indices[0]] if plan.accelerator == "cuda" else 1
+    baseline = launch(fn, *args, devices=one, accelerator=plan.accelerator, **options)
+    run = launch(fn, *args, devices=devices, accelerator=plan.accelerator, **options)
+    run.baseline = baseline
+    return run

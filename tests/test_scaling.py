@@ -1,0 +1,142 @@
+"""When more devices do not pay: the verdict and its remedies (telemetry/advice.py),
+nbtrain.scaling(), compressed gradients (DDP's communication hooks) against one-process
+training, and nbtrain.bandwidth()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from workloads import train, train_single
+
+import nbtrain
+from nbtrain import strategies
+from nbtrain.plan import DevicePlan
+from nbtrain.telemetry.advice import Scaling, verdict
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+DDP_FEWER = strategies.get("ddp").fewer_bytes("cpu")
+
+
+def test_ranks_slower_than_one_are_told_so_with_remedies_ranked():
+    sentence, remedies = verdict(2, 0.5, 0.01, Scaling(2, 0.025, 0.010), DDP_FEWER)
+    assert sentence.startswith("2 ranks were slower than one: 0.80× one rank's throughput "
+                               "(40% scaling efficiency), and they waited on communication "
+                               "for 50% of each step")
+    assert remedies[0].startswith("a larger batch per rank")
+    assert any("ctx.accumulate(model, k)" in r for r in remedies)
+    assert any("comm_hook='fp16'" in r for r in remedies)  # the strategy's own, for CPU
+    assert remedies[-1].startswith("or one device")
+
+
+def test_ranks_that_scale_well_get_their_figures_and_no_remedies():
+    sentence, remedies = verdict(4, 0.1, None, Scaling(4, 0.011, 0.010), DDP_FEWER)
+    assert sentence == "4 ranks gave 3.64× the throughput of one (91% scaling efficiency)."
+    assert remedies == []
+
+
+def test_inefficient_scaling_and_a_slow_loader_are_named():
+    sentence, remedies = verdict(2, 0.3, 0.35, Scaling(2, 0.018, 0.010), [])
+    assert "below 60%" in sentence and "30% of each step" in sentence
+    assert any("num_workers" in r for r in remedies)
+    assert not any(r.startswith("or one device") for r in remedies)  # it was faster
+
+
+def test_without_a_one_rank_run_heavy_communication_alone_is_named():
+    sentence, remedies = verdict(2, 0.45, None, None, [])
+    assert sentence.startswith("The ranks waited on communication for 45% of each step")
+    assert remedies and remedies[0].startswith("a larger batch")
+    assert verdict(2, 0.1, None, None, []) == (None, [])
+    assert verdict(1, 0.9, None, None, []) == (None, [])
+
+
+def test_each_strategy_names_its_own_way_to_fewer_bytes():
+    assert "fsdp_grad_op" in strategies.get("fsdp").fewer_bytes("cpu")[0]
+    assert "strategy='ddp'" in strategies.get("fsdp_grad_op").fewer_bytes("cpu")[0]
+    assert "comm_hook='bf16'" in strategies.get("ddp").fewer_bytes("cuda")[0]
+    assert "powersgd" in strategies.get("ddp", comm_hook="fp16").fewer_bytes("cuda")[0]
+
+
+def test_compression_hooks_are_checked_before_anything_starts():
+    with pytest.raises(ValueError, match="'fp16', 'bf16', 'powersgd'"):
+        strategies.get("ddp", comm_hook="int8")
+    cpu = DevicePlan("cpu", (0, 1))
+    with pytest.raises(ValueError, match="use comm_hook='fp16'"):
+        strategies.get("ddp", comm_hook="bf16").check(cpu)
+    with pytest.raises(ValueError, match="gloo aborts"):
+        strategies.get("ddp", comm_hook="powersgd").check(cpu)
+    strategies.get("ddp", comm_hook="bf16").check(DevicePlan("cuda", (0, 1)))
+
+
+def test_fp16_compressed_gradients_train_what_one_process_trains():
+    """The fp16 hook averages the gradients in fp16: the weights stay within what fp16's
+    rounding moves them (Adam, 8 steps), and the all-reduces carry half the bytes."""
+    single = train_single()
+    plain = nbtrain.launch(train, devices=2, accelerator="cpu", dashboard=False)
+    run = nbtrain.launch(train, devices=2, accelerator="cpu", comm_hook="fp16",
+                         dashboard=False)
+    for name, value in single.items():
+        torch.testing.assert_close(run.result["full"][name], value, rtol=0, atol=1e-3,
+                                   msg=f"fp16 hook: {name} differs from 1-process training")
+
+    def sent(r):
+        return r.summary().ranks[0].comm_per_step["all_reduce"]["bytes"]
+
+    assert sent(run) == pytest.approx(sent(plain) / 2, rel=0.01)
+
+
+def wide(ctx, batch: int = 8, steps: int = 12):
+    """16 MB of gradients and 8 samples per rank: communication outweighs compute."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(4)))
+    model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+    data = torch.utils.data.TensorDataset(torch.randn(batch * steps * ctx.world_size, 1024))
+    for (x,) in ctx.dataloader(data, batch_size=batch):
+        ctx.backward(model(x).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+
+
+def test_scaling_a_model_that_loses_on_two_ranks_says_so():
+    run = nbtrain.scaling(wide, devices=2, accelerator="cpu", dashboard=False)
+    assert run.world_size == 2 and run.baseline.world_size == 1
+    summary = run.summary()
+    assert summary.scaling is not None and summary.scaling.speedup < 1  # measured ~0.4
+    assert "slower than one" in summary.verdict
+    assert summary.remedies[0].startswith("a larger batch per rank")
+    assert summary.verdict in str(summary) and "What would help" in summary.advice
+    # compare() of the two runs says the same
+    notes = nbtrain.compare(run.baseline, run, display=False).scaling_notes()
+    assert len(notes) == 1 and "slower than one" in notes[0]
+
+
+def test_scaling_needs_several_devices():
+    with pytest.raises(ValueError, match="devices=2 or more"):
+        nbtrain.scaling(wide, devices=1, accelerator="cpu")
+    with pytest.raises(ValueError, match="background"):
+        nbtrain.scaling(wide, devices=2, accelerator="cpu", background=True)
+
+
+def test_bandwidth_sweeps_message_sizes_as_nccl_tests_does():
+    bw = nbtrain.bandwidth(devices=2, accelerator="cpu", sizes=[1024, 64 * 1024, 2**20],
+                           iters=3, warmup=1)
+    assert [r.bytes for r in bw.rows] == [1024, 64 * 1024, 2**20]
+    for r in bw.rows:
+        assert r.seconds > 0 and r.algbw == pytest.approx(r.bytes / r.seconds)
+        assert r.busbw == pytest.approx(r.algbw)  # 2(n-1)/n = 1 for two ranks
+    assert bw.peak_busbw == max(r.busbw for r in bw.rows)
+    assert bw.backend == "gloo" and "2 CPU processes" in repr(bw)
+    assert "busbw" in repr(bw) and "<table" in bw._repr_html_()
+    assert bw.seconds_for(512) == bw.rows[0].seconds
+    assert bw.seconds_for(2**21) == pytest.approx(2**21 / bw.rows[-1].algbw)
+    assert bw.figure().layout.xaxis.type == "log"
+
+
+def test_bandwidth_refuses_bad_input():
+    with pytest.raises(ValueError, match="devices=2 or more"):
+        nbtrain.bandwidth(devices=1, accelerator="cpu")
+    with pytest.raises(ValueError, match="sizes"):
+        nbtrain.bandwidth(devices=2, accelerator="cpu", sizes=[0])
+    with pytest.raises(ValueError, match="iters"):
+        nbtrain.bandwidth(devices=2, accelerator="cpu", iters=0)
