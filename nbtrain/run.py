@@ -157,17 +157,18 @@ class Run:
             raise RuntimeError("run.save_report() needs nbtrain's UI (import nbtrain).")
         return write([self], path)
 
-    def summary(self, baseline: Run | None = None) -> Summary:
+    def summary(self, baseline: Run | None = None, bandwidth=None) -> Summary:
         """Per rank: peak memory by category, mean step time and where it went,
         throughput, communication per step, last metric values. Printable as a table.
 
         When more devices do not pay it says so in one sentence, with what would help:
         from the time breakdown alone, or beside ``baseline`` (a one-rank run of the same
         function; ``run.baseline`` once set, as ``nbtrain.scaling`` does) with the
-        speed-up and scaling efficiency."""
+        speed-up and scaling efficiency. With ``bandwidth`` (``nbtrain.bandwidth()`` on
+        the same devices) it says how much of the communication wait the link explains."""
         baseline = baseline if baseline is not None else self.baseline
         return summarize(self.history, self.world_size, self.strategy, self.accelerator,
-                         baseline.summary() if baseline is not None else None)
+                         baseline.summary() if baseline is not None else None, bandwidth)
 
     def add_sink(self, sink: Sink) -> None:
         """Send this run's events to ``sink`` too (``on_events(events)``, ``close(run)``)."""

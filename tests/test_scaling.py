@@ -133,6 +133,27 @@ def test_bandwidth_sweeps_message_sizes_as_nccl_tests_does():
     assert bw.figure().layout.xaxis.type == "log"
 
 
+def test_the_summary_says_how_much_of_the_wait_the_link_explains():
+    from nbtrain.telemetry.events import Comm, Step
+    from nbtrain.telemetry.history import History
+    from nbtrain.telemetry.summary import summarize
+
+    class Link:  # 1 GB/s all-reduces, as a bandwidth sweep would say
+        def seconds_for(self, nbytes):
+            return nbytes / 1e9
+
+    history = History()
+    for step in range(4):
+        history.append(Step(rank=0, step=step, t=0.0, duration=0.05,
+                            phases={"comm": 0.02, "forward": 0.03}))
+        history.append(Comm(rank=0, step=step, t=0.0, counts={"all_gather": 2, "reduce_scatter": 1},
+                            bytes={"all_gather": 10_000_000, "reduce_scatter": 10_000_000}))
+    line = summarize(history, 1, bandwidth=Link()).link
+    # half of each (one ring pass): 10 MB as an all-reduce, 10 ms of the 20 ms waited
+    assert "take at least 10.0 ms" in line, line
+    assert "waited 20.0 ms, 50% of it the link's time" in line, line
+
+
 def test_bandwidth_refuses_bad_input():
     with pytest.raises(ValueError, match="devices=2 or more"):
         nbtrain.bandwidth(devices=1, accelerator="cpu")

@@ -48,6 +48,8 @@ class Summary:
     scaling: Scaling | None = None
     verdict: str | None = None  # when more devices do not pay (telemetry/advice.py)
     remedies: list[str] = field(default_factory=list)
+    # with a bandwidth measurement: how much of the communication wait the link explains
+    link: str | None = None
 
     @property
     def step_time(self) -> float | None:
@@ -131,6 +133,8 @@ class Summary:
             lines.append(f"total throughput: {self.samples_per_s:.0f} samples/s")
         if self.time_line():
             lines.append(self.time_line())
+        if self.link:
+            lines.append(self.link)
         if self.advice:
             lines.append(self.advice)
         return "\n".join(lines)
@@ -148,7 +152,8 @@ class Summary:
             + "".join(f"<td style='text-align:right'>{html.escape(c)}</td>" for c in cells)
             + "</tr>" for name, cells in rows)
         notes = [f"total throughput: {self.samples_per_s:.0f} samples/s"
-                 if len(self.ranks) > 1 and self.samples_per_s else "", self.time_line() or ""]
+                 if len(self.ranks) > 1 and self.samples_per_s else "", self.time_line() or "",
+                 self.link or ""]
         notes = "<br>".join(html.escape(n) for n in notes if n)
         if self.verdict:
             notes += f"<br><b>{html.escape(self.verdict)}</b>" + "".join(
@@ -172,10 +177,14 @@ def _fmt(value, scale: float, spec: str) -> str:
 
 
 def summarize(history: History, world_size: int, strategy=None, accelerator: str = "cpu",
-              baseline: Summary | None = None) -> Summary:
+              baseline: Summary | None = None, bandwidth=None) -> Summary:
     """Per-rank figures of ``history``; with ``strategy`` (what remedies it offers) and
-    ``baseline`` (a one-rank run's summary), the verdict on how the ranks scaled."""
+    ``baseline`` (a one-rank run's summary), the verdict on how the ranks scaled; with
+    ``bandwidth`` (``nbtrain.bandwidth()``'s sweep), what share of the communication wait
+    the link itself explains."""
     summary = Summary(_ranks(history, world_size))
+    if bandwidth is not None:
+        summary.link = link_line(summary, bandwidth)
     if baseline is not None and baseline.step_time and summary.step_time:
         summary.scaling = Scaling(world_size, summary.step_time, baseline.step_time)
     fewer = strategy.fewer_bytes(accelerator) if hasattr(strategy, "fewer_bytes") else []
@@ -184,6 +193,30 @@ def summarize(history: History, world_size: int, strategy=None, accelerator: str
                                                 max(data, default=None), summary.scaling,
                                                 fewer)
     return summary
+
+
+def link_line(summary: Summary, bandwidth) -> str | None:
+    """The least time a step's collectives take at the measured bandwidth, beside the time
+    the slowest rank waited for them. An all-gather or reduce-scatter of B bytes moves half
+    what an all-reduce of B moves (one ring pass, not two), so it counts as B / 2."""
+    timed = [r for r in summary.ranks if r.phases.get("comm") and r.comm_per_step]
+    if not timed:
+        return None
+    r = max(timed, key=lambda r: r.phases["comm"])
+    sizes = {op: f["bytes"] for op, f in r.comm_per_step.items()}
+    equivalent = sizes.get("all_reduce", 0) + sum(v / 2 for op, v in sizes.items()
+                                                  if op in ("all_gather", "reduce_scatter"))
+    if not equivalent:
+        return None
+    least, waited = bandwidth.seconds_for(equivalent), r.phases["comm"]
+    head = (f"the link: a step's {sum(sizes.values()) / 2**20:.1f} MB of collectives take at "
+            f"least {least * 1000:.1f} ms at the bandwidth measured; rank {r.rank} waited "
+            f"{waited * 1000:.1f} ms")
+    if least >= 0.95 * waited:
+        return head + ": the link's bandwidth explains all of it" + (
+            " (some of the communication ran during compute)" if least > 1.05 * waited else "")
+    return (head + f", {least / waited:.0%} of it the link's time; the rest is latency and "
+            "waiting for the other ranks")
 
 
 def _ranks(history: History, world_size: int) -> list[RankSummary]:
