@@ -67,8 +67,12 @@ class StepClock:
             self.watch_optimizer(opt)
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self._hooks.append(optimizer.register_step_pre_hook(self._optimizer_start))
-        self._hooks.append(optimizer.register_step_post_hook(self._optimizer_end))
+        """Time ``optimizer``'s steps (one without torch's step hooks: its step is "other")."""
+        pre = getattr(optimizer, "register_step_pre_hook", None)
+        post = getattr(optimizer, "register_step_post_hook", None)
+        if pre is not None and post is not None:
+            self._hooks.append(pre(self._optimizer_start))
+            self._hooks.append(post(self._optimizer_end))
 
     def install_waits(self) -> None:
         """Time every wait on a collective made from Python: ``Work.wait``, which the

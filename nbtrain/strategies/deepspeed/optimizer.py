@@ -3,7 +3,10 @@ optimizer interface."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
+from torch.utils.hooks import RemovableHandle
 
 
 class EngineOptimizer:
@@ -14,10 +17,16 @@ class EngineOptimizer:
 
     def __init__(self, engine, optimizer):
         self.engine, self.optimizer = engine, optimizer
+        # step pre-hooks run as the engine's step begins (its unscaling and clipping
+        # included); post-hooks, as the torch optimizer inside it ends its step, before the
+        # engine clears the gradients (memory is sampled there)
+        self._pre_hooks: OrderedDict[int, object] = OrderedDict()  # RemovableHandle's kind
 
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("DeepSpeed's step takes no closure.")
+        for hook in list(self._pre_hooks.values()):
+            hook(self, (), {})
         try:
             self.engine.step()
         finally:  # a ctx.clip_grad_norm_ clips this step only
@@ -42,6 +51,11 @@ class EngineOptimizer:
     def torch_optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer DeepSpeed steps (on this rank's partition)."""
         return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def register_step_pre_hook(self, hook) -> RemovableHandle:
+        handle = RemovableHandle(self._pre_hooks)
+        self._pre_hooks[handle.id] = hook
+        return handle
 
     def register_step_post_hook(self, hook):
         return self.torch_optimizer.register_step_post_hook(
