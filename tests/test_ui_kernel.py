@@ -54,6 +54,9 @@ def test_auto_is_static_without_a_widget_manager(setup, kernel_clean):
     final = [m["content"]["data"] for m in msgs if m["msg_type"] == "update_display_data"
              and PLOTLY_MIME in m["content"]["data"]][-1]
     assert "text/html" in final  # the last figure shows without plotly's renderer too
+    # where each rank's step time went, stacked by phase beside the step time
+    phases = {t.get("name") for t in final[PLOTLY_MIME]["data"] if t.get("xaxis") == "x7"}
+    assert {"forward", "backward", "optimizer step"} <= phases, phases
     updates = kinds.count("update_display_data")
     assert 2 <= updates <= 2 * (seconds / 2.0 + 3), (updates, seconds)  # two handles, 0.5 Hz
 
@@ -130,6 +133,8 @@ def test_a_run_shown_on_its_own_displays_its_summary(setup):
     shown = [m["content"]["data"] for m in msgs if m["msg_type"] == "display_data"]
     assert any(PLOTLY_MIME in d for d in shown)
     assert any("done" in d.get("text/html", "") for d in shown)
+    summary = setup.run("print(run.summary())").stdout
+    assert "comm %" in summary and "where a step's" in summary, summary
 
 
 def test_nothing_shows_twice_in_one_cell(setup, kernel_clean):
