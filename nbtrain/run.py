@@ -16,7 +16,8 @@ from typing import Any
 
 from .cells import busy_while_blocking
 from .errors import RunStoppedError, RunTimeoutError, WorkerError, cell_names
-from .telemetry.events import Event, Lifecycle, Output
+from .restarts import Attempt, history_text, retry_cause
+from .telemetry.events import Checkpoint, Event, Lifecycle, Output, Restart
 from .telemetry.history import History
 from .telemetry.sinks import Sink, SinkDispatcher
 from .telemetry.summary import Summary, summarize
@@ -93,6 +94,13 @@ class Run:
         self.remote: dict | None = None
         # A one-rank run of the same function this run's summary is measured against.
         self.baseline: Run | None = None
+        # launch(max_restarts=...): the attempts that ended and were followed by another,
+        # and the checkpoints ctx.save completed (a restart goes on from the last)
+        self.attempts: list[Attempt] = []
+        self.checkpoints: list[str] = []
+        self._restart: Callable | None = None
+        self._max_restarts = 0
+        self._stop_asked = False
 
     # -- public ------------------------------------------------------------------------
     @property
@@ -168,7 +176,8 @@ class Run:
         the same devices) it says how much of the communication wait the link explains."""
         baseline = baseline if baseline is not None else self.baseline
         return summarize(self.history, self.world_size, self.strategy, self.accelerator,
-                         baseline.summary() if baseline is not None else None, bandwidth)
+                         baseline.summary() if baseline is not None else None, bandwidth,
+                         self.attempts)
 
     def add_sink(self, sink: Sink) -> None:
         """Send this run's events to ``sink`` too (``on_events(events)``, ``close(run)``)."""
@@ -199,6 +208,7 @@ class Run:
         """End every worker now (SIGTERM, then SIGKILL) and wait until they are gone."""
         if self.done or self._outcome is None:
             return
+        self._stop_asked = True  # no restart after this
         self._outcome.request_stop(reason)
         self._done.wait(timeout)
 
@@ -230,6 +240,8 @@ class Run:
         a rank's lifecycle event moves its status."""
         if isinstance(event, Lifecycle) and event.detail:  # a traceback: cells by name
             event = dataclasses.replace(event, detail=cell_names(event.detail))
+        elif isinstance(event, Checkpoint):
+            self.checkpoints.append(event.path)
         self.history.append(event)
         self._last_step[event.rank] = event.step
         self._sinks.put(event)
@@ -261,13 +273,18 @@ class Run:
             if self._status == "starting":
                 self._status = "queued"
 
-    def follow(self, outcome: Outcome, cleanup: list) -> None:
+    def follow(self, outcome: Outcome, cleanup: list, restart: Callable | None = None,
+               max_restarts: int = 0) -> None:
         """Follow the ranks' ``outcome`` (a supervisor, a pool's operation, a job) until
-        it is done, then run ``cleanup`` and end the run."""
+        it is done, then run ``cleanup`` and end the run. With ``restart``, an attempt
+        that ended by a cause a restart may cure (``restarts.retry_cause``) is followed by
+        another, up to ``max_restarts`` times: ``restart(checkpoints)`` starts it and
+        returns ``(outcome, cleanup, resume)``."""
         global _LAST
         _LAST = self
         self._outcome = outcome
         self._cleanup = cleanup
+        self._restart, self._max_restarts = restart, max_restarts
         _ACTIVE.add(self)
         # Exit hooks run last-registered first: ours must run before multiprocessing's,
         # which would otherwise join live workers at interpreter exit and hang.
@@ -276,13 +293,16 @@ class Run:
         threading.Thread(target=self._finish, name="nbtrain-run", daemon=True).start()
 
     def _finish(self) -> None:
-        outcome = self._outcome
-        outcome.done.wait()
-        for close in self._cleanup:
-            try:
-                close()
-            except Exception:
-                pass
+        while True:
+            outcome = self._outcome
+            outcome.done.wait()
+            for close in self._cleanup:
+                try:
+                    close()
+                except Exception:
+                    pass
+            if not self._next_attempt(outcome):
+                break
         try:
             self._conclude(outcome)
         except BaseException as err:  # never leave a waiter hanging
@@ -291,6 +311,38 @@ class Run:
         self._sinks.close(self)
         _ACTIVE.discard(self)
         self._done.set()
+
+    def _next_attempt(self, outcome) -> bool:
+        """Start the next attempt when this one's ending is one a restart may cure and
+        restarts are left; True when one started."""
+        if self._restart is None or self._stop_asked or \
+                len(self.attempts) >= self._max_restarts:
+            return False
+        cause = retry_cause(outcome)
+        if cause is None:
+            return False
+        try:
+            outcome, cleanup, resume = self._restart(list(self.checkpoints))
+        except BaseException as err:  # the attempt's own failure is what the run raises
+            self.note = f"nbtrain could not restart the run: {type(err).__name__}: {err}"
+            return False
+        attempt = Attempt(len(self.attempts) + 1, cause, self.last_step, resume)
+        self.attempts.append(attempt)
+        event = Restart(rank=0, step=self.last_step or 0, t=time.monotonic(),
+                        attempt=attempt.number, cause=cause, resume=resume or "")
+        self.history.append(event)
+        self._sinks.put(event)
+        with self._lock:
+            self.rank_status = dict.fromkeys(self.rank_status, "starting")
+        with contextlib.suppress(Exception):
+            self._streams["err"].write(f"nbtrain: {attempt} ({attempt.number} of "
+                                       f"{self._max_restarts} restarts)\n")
+            self._streams["err"].flush()
+        self._outcome, self._cleanup = outcome, cleanup
+        outcome.start()
+        if self._stop_asked:  # run.stop() while the next attempt started
+            outcome.request_stop("stopped by run.stop()")
+        return True
 
     def _conclude(self, outcome) -> None:
         workers = outcome.workers
@@ -328,9 +380,10 @@ class Run:
                     others.append(f"rank {rank}: stopped by nbtrain")
                     self.rank_status[rank] = "stopped"
             self.rank_status[root.rank] = "failed"
+            hint = "\n".join(h for h in (root.hint, history_text(self.attempts)) if h)
             self._error = WorkerError(root.rank, root.exc_type, root.message,
                                       label(cell_names(root.traceback), root.rank), others,
-                                      root.hint)
+                                      hint)
             # launch() showed a live view in this cell: it shows the traceback already
             self._error.shown_in_cell = getattr(self, "_nbtrain_shown_in", None)
             return

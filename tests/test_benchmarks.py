@@ -30,6 +30,7 @@ SMALL = {
     "start_stress.py": ("--starts 6 --deadline 120", "hung: 0 of 6"),
     "browser.py": ("--repeats 1", "first chart"),
     "unused_params.py": ("--steps 3 --rounds 1 --width 16", "ratio True/False"),
+    "restart.py": ("--repeats 1 --methods fork", "death -> next step"),
 }
 NEEDS = {"browser.py": "tests/browser/lab.py"}  # what a benchmark needs beyond the extras
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -373,9 +374,13 @@ def misuse(ctx, what):
 
 
 def ckpt_train(ctx, path=None, load_from=None, steps=8, save_every=0, stop_after=None,
-               full=False, sleep=0.0, global_batch=32):
+               full=False, sleep=0.0, global_batch=32, die_at=None, die_by="SIGKILL",
+               die_rank=1):
     """Deep + Adam on a fixed global batch, saving {model, optimizer, step} every
-    ``save_every`` steps; goes on from ``load_from`` or ``ctx.resume_from`` when given."""
+    ``save_every`` steps; goes on from ``load_from`` or ``ctx.resume_from`` when given.
+    ``die_at``: in the first attempt only (nothing to resume from), rank ``die_rank``
+    ends at that step: ``die_by`` a signal's name, "exit" (os._exit(0), no result) or
+    "raise" (a ValueError of the user's)."""
     torch.manual_seed(0)
     model = Deep()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -388,6 +393,8 @@ def ckpt_train(ctx, path=None, load_from=None, steps=8, save_every=0, stop_after
     ctx.step = first
     batches = list(_batches(ctx.world_size, global_batch // ctx.world_size, ctx.rank))
     for step in range(first, steps):
+        if step == die_at and source is None and ctx.rank == die_rank:
+            _die(die_by, step)
         x, y = (t.to(ctx.device) for t in batches[step % len(batches)])
         loss = nn.functional.cross_entropy(model(x), y)
         ctx.backward(loss)
@@ -402,6 +409,16 @@ def ckpt_train(ctx, path=None, load_from=None, steps=8, save_every=0, stop_after
             break
         time.sleep(sleep)
     return {"full": ctx.full_state_dict(model), "first": first}
+
+
+def _die(how: str, step: int) -> None:
+    sys.stdout.flush()
+    if how == "exit":
+        os._exit(0)
+    if how == "raise":
+        raise ValueError(f"the user's own error at step {step}")
+    os.kill(os.getpid(), getattr(signal, how))
+    time.sleep(30)  # the signal arrives
 
 
 def accumulate_steps(ctx, micro=2):

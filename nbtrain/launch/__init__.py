@@ -35,7 +35,7 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
            timeout: float | None = None, telemetry: bool | Telemetry = True,
            sinks: list[Sink] = (), dashboard: bool | str = "auto",
            resume: str | os.PathLike | None = None, seed: int | None = None,
-           **kwargs: Any) -> Run:
+           max_restarts: int = 0, **kwargs: Any) -> Run:
     """Run ``fn(ctx, *args, **kwargs)`` once per rank, one rank per device.
 
     A function written without ``ctx`` (for torchrun or ``notebook_launcher``: ``def
@@ -78,6 +78,12 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
             ``ctx.dataloader`` shuffles with ``seed`` on every rank. None (default): a
             fresh base seed per launch (``run.seed`` keeps it; pass it to repeat the run)
             and shuffling with seed 0. Seeding inside ``fn`` overrides it, as usual.
+        max_restarts: when a rank dies (a signal such as the OOM killer's, an exit
+            without returning, a collective that timed out), end every rank and start
+            again, on the same devices, up to this many times; each attempt finds the
+            last checkpoint ``ctx.save`` completed in ``ctx.resume_from`` (the one given
+            as ``resume``, or None, before any). An exception raised by ``fn`` is not
+            retried. The same ``Run`` goes on; ``run.attempts`` lists the restarts.
 
     Returns the ``Run``. Blocking, a failed rank raises ``nbtrain.WorkerError`` here; an
     interrupt (Ctrl-C, the stop button) ends every worker and raises KeyboardInterrupt
@@ -96,10 +102,12 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
     calls.warn_shadowed("launch()", fn, calls.given(
         launch, devices=devices, strategy=strategy, accelerator=accelerator,
         start_method=start_method, background=background, timeout=timeout,
-        telemetry=telemetry, sinks=sinks, dashboard=dashboard, resume=resume, seed=seed))
+        telemetry=telemetry, sinks=sinks, dashboard=dashboard, resume=resume, seed=seed,
+        max_restarts=max_restarts))
     request = start.check("launch()", fn, args, kwargs, strategy=strategy, timeout=timeout,
                           telemetry=telemetry, sinks=sinks, dashboard=dashboard,
-                          resume=resume, seed=seed, background=background)
+                          resume=resume, seed=seed, background=background,
+                          max_restarts=max_restarts)
     # Ranks started by torchrun or a cluster (SLURM's srun, LSF's jsrun, Kubeflow): this
     # process is one, and a scale-out backend runs the function here (scaleout/).
     found = start.in_process(accelerator)
@@ -167,3 +175,7 @@ class OneShot:
 
     def abandon(self) -> None:
         pass  # nothing is held before start()
+
+    def again(self) -> OneShot:
+        """The next attempt's (``max_restarts``): the same start method, a new launcher."""
+        return OneShot(self.started_by)

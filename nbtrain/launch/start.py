@@ -59,6 +59,7 @@ class Request:
     dashboard: bool | str = "auto"
     resume: str | None = None
     background: bool = False
+    max_restarts: int = 0  # attempts after the first, when a rank dies (restarts.py)
 
     @property
     def name(self) -> str:
@@ -73,7 +74,7 @@ class Request:
 def check(who: str, fn, args: tuple, kwargs: dict, *, strategy: str | Strategy = "ddp",
           timeout: float | None = None, telemetry: bool | Telemetry = True, sinks=(),
           dashboard: bool | str = "auto", resume=None, seed: int | None = None,
-          background: bool = False) -> Request:
+          background: bool = False, max_restarts: int = 0) -> Request:
     """Everything about a run that can be wrong, checked before anything starts: how
     ``fn`` is called (with ``ctx`` or without, which keywords are the strategy's), the
     timeout, the view, the resume path, the seed, the telemetry options."""
@@ -81,13 +82,16 @@ def check(who: str, fn, args: tuple, kwargs: dict, *, strategy: str | Strategy =
         raise TypeError(f"{who} takes the function to run first; got {type(fn).__name__}.")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ValueError(f"max_restarts={max_restarts!r} must be an int >= 0 (how many times "
+                         "a run whose rank died starts again).")
     if dashboard not in DASHBOARDS:
         raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, False, or "
                          "force one view: 'widget', 'static' or 'text'.")
     call, own, chosen = calls.bind(who, fn, args, kwargs, strategies.get(strategy))
     return Request(call, tuple(args), own, chosen, seeding.base_seed(seed), seed, timeout,
                    Telemetry.from_arg(telemetry), tuple(sinks), dashboard,
-                   _resume_path(resume), background)
+                   _resume_path(resume), background, max_restarts)
 
 
 def _resume_path(resume) -> str | None:
@@ -123,12 +127,19 @@ class Backend(Protocol):
     def abandon(self) -> None:
         """``start`` was not reached or failed: let go of what ``prepare`` took."""
 
+    # Optional: ``again()``, a new backend of the same kind for the next attempt of a
+    # run with ``max_restarts`` (a backend without it cannot be restarted by nbtrain).
+
 
 def execute(request: Request, plan, backend: Backend) -> Run | None:
     """The path every run walks: the backend's checks and the strategy's, the Run and its
     view, the ranks started and handed to the run as one step (an interrupt meanwhile
     stops the run), then the wait in the cell (or the run at once, in the background)."""
     try:
+        if request.max_restarts and not hasattr(backend, "again"):
+            raise ValueError(f"max_restarts: a run started by {backend.started_by} is not "
+                             "restarted by nbtrain (under torchrun, give torchrun's own "
+                             "--max-restarts); launch() restarts the ranks it starts.")
         request = backend.prepare(request, plan)
         request.strategy.check(plan)
         run, view = open_run(request, plan, backend.started_by)
@@ -149,10 +160,31 @@ def execute(request: Request, plan, backend: Backend) -> Run | None:
             except BaseException:
                 backend.abandon()
                 raise
-            run.follow(outcome, cleanup)
+            run.follow(outcome, cleanup, _restarter(request, plan, backend, run),
+                       request.max_restarts)
             outcome.start()
     run = finish(run, view, request.background, backend.stop_timeout)
     return run if backend.returns_run else None
+
+
+def _restarter(request: Request, plan, backend: Backend, run: Run):
+    """What starts the next attempt of ``run`` (``max_restarts``): a new backend of the
+    same kind, the same request going on from the last complete checkpoint (or the one
+    the run was launched with, or none)."""
+    if not request.max_restarts:
+        return None
+
+    def restart(checkpoints: list[str]):
+        from ..checkpoint import exists
+
+        resume = next((p for p in reversed(checkpoints) if exists(p)), request.resume)
+        again = backend.again()
+        attempt = dataclasses.replace(request, resume=resume)
+        attempt = again.prepare(attempt, plan)
+        outcome, cleanup = again.start(attempt, plan, run)
+        return outcome, cleanup, resume
+
+    return restart
 
 
 # What runs a launch in this process instead of starting ranks, when this process is one

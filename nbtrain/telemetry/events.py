@@ -87,8 +87,29 @@ class Output(Event):
     line: str = ""
 
 
+@dataclass(frozen=True)
+class Checkpoint(Event):
+    """Rank 0: every rank finished writing a checkpoint (``ctx.save``) at ``path``; a
+    restart goes on from the last one (``launch(max_restarts=...)``)."""
+
+    kind: ClassVar[str] = "checkpoint"
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class Restart(Event):
+    """The kernel: attempt ``attempt`` ended by ``cause`` at ``step`` (the last step a
+    rank reported) and the run starts again (from ``resume``, a checkpoint, if any)."""
+
+    kind: ClassVar[str] = "restart"
+    attempt: int = 1
+    cause: str = ""
+    resume: str = ""
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
-    cls.kind: cls for cls in (Metric, Step, Memory, Comm, Lifecycle, Output)}
+    cls.kind: cls for cls in (Metric, Step, Memory, Comm, Lifecycle, Output, Checkpoint,
+                              Restart)}
 
 
 _JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=True)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .channel import TelemetryClient
-from .events import Comm, Memory, Metric, Step
+from .events import Checkpoint, Comm, Memory, Metric, Step
 from .probes import (
     ActivationProbe,
     CommCounter,
@@ -136,6 +136,11 @@ class Recorder:
         """``ctx.dataloader`` spent ``seconds`` producing a batch (and moving it)."""
         if self.clock is not None:
             self.clock.data(seconds)
+
+    def checkpoint(self, step: int, path: str) -> None:
+        """Every rank finished writing the checkpoint at ``path`` (sent by rank 0)."""
+        self.client.send(Checkpoint(rank=self.rank, step=step, t=time.monotonic(),
+                                    path=path))
 
     def on_epoch_end(self) -> None:
         self._close_step(time.monotonic())

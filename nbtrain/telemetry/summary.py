@@ -50,6 +50,7 @@ class Summary:
     remedies: list[str] = field(default_factory=list)
     # with a bandwidth measurement: how much of the communication wait the link explains
     link: str | None = None
+    restarts: list[str] = field(default_factory=list)  # launch(max_restarts=...)'s attempts
 
     @property
     def step_time(self) -> float | None:
@@ -71,6 +72,12 @@ class Summary:
         """The largest fraction of a step any rank spent waiting for communication."""
         shares = [r.share("comm") for r in self.ranks if r.share("comm") is not None]
         return max(shares) if shares else None
+
+    def _restart_lines(self) -> list[str]:
+        n = len(self.restarts)
+        if not n:
+            return []
+        return [f"restarted {n} time{'s' if n > 1 else ''}:", *(f"  {a}" for a in self.restarts)]
 
     def time_line(self) -> str | None:
         """Where the step time goes, in one sentence (the slowest rank's), or None."""
@@ -135,6 +142,7 @@ class Summary:
             lines.append(self.time_line())
         if self.link:
             lines.append(self.link)
+        lines += self._restart_lines()
         if self.advice:
             lines.append(self.advice)
         return "\n".join(lines)
@@ -153,7 +161,7 @@ class Summary:
             + "</tr>" for name, cells in rows)
         notes = [f"total throughput: {self.samples_per_s:.0f} samples/s"
                  if len(self.ranks) > 1 and self.samples_per_s else "", self.time_line() or "",
-                 self.link or ""]
+                 self.link or "", *self._restart_lines()]
         notes = "<br>".join(html.escape(n) for n in notes if n)
         if self.verdict:
             notes += f"<br><b>{html.escape(self.verdict)}</b>" + "".join(
@@ -177,12 +185,12 @@ def _fmt(value, scale: float, spec: str) -> str:
 
 
 def summarize(history: History, world_size: int, strategy=None, accelerator: str = "cpu",
-              baseline: Summary | None = None, bandwidth=None) -> Summary:
+              baseline: Summary | None = None, bandwidth=None, attempts=()) -> Summary:
     """Per-rank figures of ``history``; with ``strategy`` (what remedies it offers) and
     ``baseline`` (a one-rank run's summary), the verdict on how the ranks scaled; with
     ``bandwidth`` (``nbtrain.bandwidth()``'s sweep), what share of the communication wait
     the link itself explains."""
-    summary = Summary(_ranks(history, world_size))
+    summary = Summary(_ranks(history, world_size), restarts=[str(a) for a in attempts])
     if bandwidth is not None:
         summary.link = link_line(summary, bandwidth)
     if baseline is not None and baseline.step_time and summary.step_time:

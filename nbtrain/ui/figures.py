@@ -29,6 +29,7 @@ that keep it readable:
 
 from __future__ import annotations
 
+import html
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,6 +137,7 @@ def trace_specs(state: LiveState) -> list[TraceSpec]:
                  "hovertemplate": f"rank {rank}: %{{y:.4g}} {unit} at step %{{x}}<extra></extra>"},
                 {"x": x, "y": y}, table[rank].version))
     specs += _warmup_specs(state)
+    specs += _restart_specs(state)
     specs += _phase_specs(state)
     ranks_with_memory = sorted(state.memory)
     labels = [f"rank {r}" for r in ranks_with_memory]
@@ -164,6 +166,26 @@ def trace_specs(state: LiveState) -> list[TraceSpec]:
             {"x": x, "y": [v / size for v in y],
              "hovertemplate": f"{op}: %{{y:.3g}} {unit} at step %{{x}}<extra></extra>"},
             (state.comm[op].version, unit)))
+    return specs
+
+
+def _restart_specs(state: LiveState) -> list[TraceSpec]:
+    """Each restart (``launch(max_restarts=...)``) as a dashed vertical line across the
+    step-time panel at the step where its attempt ended, its cause in the hover."""
+    if not state.restarts:
+        return []
+    steady = [v for s in state.step_ms.values() for v in s.points()[1]]
+    top = max(steady, default=1.0) * WARMUP_CLIP
+    specs = [_legend_entry("legend:restart", "step_time", "restart", LEGEND_RANKS["warmup"] + 1,
+                           "restart", {"line": {"color": "#616161", "dash": "dash"}})]
+    for e in state.restarts:
+        specs.append(TraceSpec(
+            f"restart:{e.attempt}", "step_time", "line",
+            {"name": f"restart {e.attempt}", "legendgroup": "restart", "showlegend": False,
+             "line": {"color": "#616161", "dash": "dash", "width": 1.5},
+             "hovertemplate": f"restart {e.attempt} after step {e.step}: "
+                              f"{html.escape(e.cause)}<extra></extra>"},
+            {"x": [e.step, e.step], "y": [0, top]}, (e.attempt, top)))
     return specs
 
 

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from ..telemetry.events import Comm, Event, Lifecycle, Memory, Metric, Step
+from ..telemetry.events import Comm, Event, Lifecycle, Memory, Metric, Restart, Step
 from .series import Series
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ class LiveState:
         self.busy: dict[int, float] = {}  # seconds spent in timed steps
         # rank -> where its recent steps' time went (telemetry/timing.py), newest last
         self.phases: dict[int, deque[dict[str, float]]] = {}
+        self.restarts: list[Restart] = []  # launch(max_restarts=...): where each began
         self.memory: dict[int, dict[str, int]] = {}  # latest bytes by category
         self.comm: dict[str, Series] = {}  # op -> bytes per step, first rank that reports
         self.comm_rank: int | None = None
@@ -63,6 +64,11 @@ class LiveState:
             self.version += 1
 
     def _one(self, e: Event) -> None:
+        if isinstance(e, Restart):  # every rank starts again; the last attempt's errors go
+            self.restarts.append(e)
+            self.status = dict.fromkeys(self.status, "starting")
+            self.errors.clear()
+            return
         rank = e.rank
         if rank >= self.world_size:
             self.world_size = rank + 1
