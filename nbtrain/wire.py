@@ -8,7 +8,7 @@ message on to the other ranks, then (a ``RankPool``'s worker) its commands.
     P    pickle of the function's return value       every rank, last (a result)
     D    dill of it (cell-defined classes)           every rank, last (a result)
     E    JSON ``RankFailure``                        every rank, last (a failure)
-    S    ASCII port of rank 0's TCPStore             rank 0, at start
+    S    ``StorePort``: rank 0's TCPStore, in ASCII   rank 0, at start
     C    nothing: this rank reached the store        every rank, at start
     J    nothing: every rank's group is up           every rank, at start
     A    JSON ``Activity``                           every rank, before a result
@@ -249,15 +249,27 @@ def decode_memory(message: bytes) -> dict[str, int]:
     return figures
 
 
-def encode_store(port: int) -> bytes:
-    return STORE + str(port).encode()
+@dataclasses.dataclass(frozen=True)
+class StorePort:
+    """Where rank 0's TCPStore listens (``S``): the kernel passes it on to the other
+    ranks, which join the process group through it."""
+
+    port: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ValueError(f"not a TCP port: {self.port!r}")
 
 
-def decode_store(message: bytes) -> int:
+def encode_store(store: StorePort) -> bytes:
+    return STORE + str(store.port).encode()
+
+
+def decode_store(message: bytes) -> StorePort:
     """Rank 0's store port (``S``)."""
     if message[:1] != STORE or not message[1:].isdigit():
         raise ValueError(f"not a store message: {message[:40]!r}")
-    return int(message[1:])
+    return StorePort(int(message[1:]))
 
 
 def _json(message: bytes, tag: bytes) -> Any:

@@ -25,7 +25,7 @@ def test_each_message_round_trips():
     assert wire.decode_value(wire.encode_value(wire.CellValue("tensor([1.])"))).repr == \
         "tensor([1.])"
     assert wire.decode_memory(wire.encode_memory({"rss_bytes": 5})) == {"rss_bytes": 5}
-    assert wire.decode_store(wire.encode_store(29500)) == 29500
+    assert wire.decode_store(wire.encode_store(wire.StorePort(29500))) == wire.StorePort(29500)
     settings = wire.RunSettings(("127.0.0.1", 4000), "tok", Telemetry(), None, 7, 0)
     for command in (wire.Exec("x = 1", "<cell>"), wire.LaunchRun(b"fn", settings),
                     wire.Pull("x"), wire.Push(b"{}"), wire.MemoryQuery(), wire.Exit()):
@@ -41,6 +41,7 @@ def test_each_message_round_trips():
     (wire.decode_activity, b"P\x80", "expected a 'A' message"),
     (wire.decode_memory, b'M{"rss_bytes": "a lot"}', "names and byte counts"),
     (wire.decode_store, b"Sport", "not a store message"),
+    (wire.decode_store, b"S99999", "not a TCP port"),
     (wire.decode_command, pickle.dumps({"op": "exit"}), "not a pool command: dict"),
     (wire.decode_command, b"\x00junk", "does not unpickle"),
 ])

@@ -32,6 +32,7 @@ from ..wire import (
     FAILURE,
     JOINED,
     Activity,
+    StorePort,
     decode_failure,
     decode_store,
     encode_activity,
@@ -175,10 +176,10 @@ def init_distributed(spec: WorkerSpec, control, commands) -> None:
         store = dist.TCPStore(spec.store_host, 0, spec.world_size, is_master=True,
                               timeout=timeout, wait_for_workers=False)
         port = store.port
-        control.send_bytes(encode_store(port))
+        control.send_bytes(encode_store(StorePort(port)))
     else:
         try:
-            port = decode_store(commands.recv_bytes())
+            port = decode_store(commands.recv_bytes()).port
         except EOFError:  # the kernel ended the start (rank 0 failed, an interrupt)
             leave(1)
         store = dist.TCPStore(spec.store_host, port, spec.world_size, is_master=False,
