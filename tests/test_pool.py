@@ -155,20 +155,39 @@ def test_a_busy_cell_is_interrupted_and_the_pool_stays(pool):
     assert pool.run("keep") == {0: "5", 1: "5"} and pool.started == 1
 
 
-def test_a_killed_rank_is_reported_by_name_and_the_pool_starts_again(pool):
+def _gone(pool, rank: int) -> None:
+    """Until the pool knows the killed rank is dead (a fork server's child: once the
+    server says so)."""
+    deadline = time.monotonic() + 10
+    while pool.workers.handles[rank].process.exitcode is None:  # no command: no side effect
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_a_rank_killed_between_commands_is_replaced_and_the_next_command_runs(pool,
+                                                                             capsys):
+    """The pool heals: a rank the OOM killer took while the pool was idle is named in one
+    line, every worker is replaced, and the command runs on the new ones."""
     pool.run("keep = 1")
     victim = pool.status[1]["pid"]
     os.kill(victim, signal.SIGKILL)
-    with pytest.raises(nbtrain.WorkerError) as info:
-        pool.run("print(rank)")
-    err = info.value
-    assert err.rank == 1 and err.exc_type == "SIGKILL"
-    assert "rank 1 was killed by SIGKILL" in str(err)
-    assert "workers were ended" in str(err) and "next use starts new ones" in str(err)
-    assert pool.status.ended
+    _gone(pool, 1)
     assert pool.run("rank") == {0: "0", 1: "1"}
+    err = capsys.readouterr().err
+    assert "restarting the pool's 2 workers (rank 1 died (SIGKILL))" in err, err
+    assert "names defined in %%ranks cells before are gone" in err
+    assert pool.started == 2 and victim not in [r["pid"] for r in pool.status]
     with pytest.raises(RankCellError, match="'keep' is not defined"):
         pool.run("keep")
+    assert pool.launch(fail_on, "none", dashboard=False).results == [0, 1]  # and launches
+
+
+def test_a_rank_killed_before_a_launch_is_replaced_and_the_launch_runs(pool, capsys):
+    victim = pool.status[0]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    _gone(pool, 0)
+    assert pool.launch(fail_on, "none", dashboard=False).results == [0, 1]
+    assert "rank 0 died (SIGKILL)" in capsys.readouterr().err
 
 
 def test_a_failing_launch_raises_worker_error_and_the_next_launch_works(pool):

@@ -74,8 +74,10 @@ class RankPool:
         timeout: seconds a collective may wait before the process group gives up
             (torch's process-group timeout; default 600).
 
-    After a rank dies, or ranks stuck in a collective had to be ended, the pool says so;
-    its next use starts fresh workers (names defined in ``%%ranks`` cells are lost).
+    A rank that dies between commands is replaced at the next one, which then runs on
+    fresh workers (one line says so; names defined in ``%%ranks`` cells are lost). A
+    rank that dies during a command, or ranks stuck in a collective, fail that command
+    and end the workers; the next use starts fresh ones.
     """
 
     def __init__(self, devices: int | str | list[int] = "auto", accelerator: str = "auto",
@@ -193,11 +195,12 @@ class RankPool:
         self._check_open()
         rows = []
         memory: dict[int, dict] = {}
-        busy, handles = self.channel.busy, self.workers.handles
-        if busy is None and handles and not self.workers.dead():
-            with contextlib.suppress(Exception):
+        busy = self.channel.busy
+        if busy is None and self.workers.handles and not self.workers.dead():
+            with contextlib.suppress(Exception):  # a rank that died meanwhile: no figures
                 op = self._command(None, MemoryQuery(), "status")
                 memory = {r: decode_memory(w.result) for r, w in op.workers.items()}
+        handles = self.workers.handles  # after the query: it may have ended them
         for rank in range(self.world_size):
             h = handles[rank] if handles else None
             alive = h is not None and h.process.exitcode is None
@@ -298,7 +301,8 @@ class PoolWorkers:
         if not self.handles:
             why = self.ended or "it was ended"
             print(f"nbtrain: restarting the pool's {self.plan.world_size} workers ({why}); "
-                  "names defined in %%ranks cells before are gone.", file=sys.stderr)
+                  "names defined in %%ranks cells before are gone.", file=sys.stderr,
+                  flush=True)
             self.start(channel)
 
     def kill_all(self) -> None:

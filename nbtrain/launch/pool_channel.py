@@ -69,6 +69,17 @@ class PoolChannel:
         while self.busy is not None and time.monotonic() < deadline:
             time.sleep(0.01)  # the run's own cleanup (its listener, a teardown) finishes
 
+    def heal(self) -> None:
+        """Before a command: workers that were ended, or a rank that died since the last
+        command (the OOM killer, a kill), are replaced by new ones, with one line saying
+        why, so the command runs (names defined in earlier ``%%ranks`` cells are gone)."""
+        dead = self.workers.dead()
+        if dead:
+            op = self.begin(dead, None, None)  # reaps them and names how each ended
+            op.done.wait()
+            self.finish(op)  # ends the workers, saying which rank died and how
+        self.workers.ensure_started(self)
+
     # -- sending and following -----------------------------------------------------------
     def begin(self, ranks: list[int], command: Command | None, deadline: float | None,
               emit=None, join: bool = False) -> PoolOp:
@@ -134,17 +145,14 @@ class PoolChannel:
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
         with self.claimed(what):
-            self.workers.ensure_started(self)
-            dead = self.workers.dead()
+            self.heal()
             deadline = time.monotonic() + timeout if timeout else None
             op, interrupted = None, False
             try:
                 # An interrupt while the command goes out is taken once it is out: the
                 # ranks are then interrupted as they would be a moment later.
                 with interrupts_deferred():
-                    # A rank that died since the last command: report it, end the pool.
-                    op = (self.begin(dead, None, None) if dead
-                          else self.begin(ranks, command, deadline))
+                    op = self.begin(ranks, command, deadline)
                 self.wait(op)
             except KeyboardInterrupt:
                 if op is None:

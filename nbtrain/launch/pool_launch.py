@@ -43,7 +43,7 @@ class PoolLaunch:
         channel.settle()
         channel.claim("launch")
         self.claimed = True
-        pool.workers.ensure_started(channel)  # interruptible: no run yet
+        channel.heal()  # a rank that died since the last command: new workers (no run yet)
         return request
 
     def start(self, request: start.Request, plan, run: Run):
