@@ -29,7 +29,7 @@ from .telemetry.recorder import Recorder
 if TYPE_CHECKING:
     from .spec import WorkerSpec
     from .strategies import Strategy
-    from .telemetry.channel import TelemetryClient
+    from .telemetry.client import TelemetryClient
 
 class Context:
     """``ctx``, what the training function gets on every rank as its first argument.

@@ -8,12 +8,12 @@ import pytest
 
 from nbtrain.telemetry.channel import (
     MAX_FRAME,
-    TelemetryClient,
     TelemetryServer,
     frame,
     handshake,
     read_frame,
 )
+from nbtrain.telemetry.client import TelemetryClient
 from nbtrain.telemetry.events import Lifecycle, Metric, decode, encode
 
 
@@ -75,6 +75,25 @@ def test_an_event_that_cannot_be_encoded_is_counted_and_the_stream_goes_on():
         server.close()
     assert [e.step for e in sink.events] == [0, 2]
     assert client.dropped == 1
+
+
+def test_flush_returns_once_the_queued_events_reached_the_listener():
+    """What must not die with the rank (a checkpoint's report) is on the wire when flush
+    returns, not 50 ms later."""
+    sink = Collect()
+    server = TelemetryServer(sink)
+    try:
+        client = TelemetryClient(server.address, server.token, 0, flush_interval=60.0)
+        client.send(Metric(rank=0, step=7, t=0.0, values={"x": 1.0}))
+        assert client.flush(timeout=10)
+        deadline = time.monotonic() + 10
+        while not sink.events:  # the listener's thread hands it on
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert [e.step for e in sink.events] == [7]
+        client.close()
+    finally:
+        server.close()
 
 
 def _hung_up(sock) -> bool:

@@ -117,3 +117,26 @@ def test_in_a_kernel_the_dashboard_marks_the_restart_and_nothing_is_left(kernel_
     assert "attempt 1 ended at step" in reply.stderr and "SIGKILL" in reply.stderr
     marks = reply.stdout.split("marks ")[1]
     assert "restart 1 after step" in marks and "SIGKILL" in marks, marks
+
+
+def test_a_pool_run_restarts_on_new_workers(uninterrupted, tmp_path):
+    """pool.launch(max_restarts=...): the dead rank's workers are replaced (the pool heals)
+    and the run goes on from its checkpoint, on the same pool."""
+    with nbtrain.RankPool(devices=2, accelerator="cpu") as pool:
+        kw = {k: v for k, v in KW.items() if k not in ("devices", "accelerator")}
+        run = pool.launch(ckpt_train, path=str(tmp_path / "ck"), die_at=10, max_restarts=1,
+                          **kw)
+        assert run.status == "done" and len(run.attempts) == 1 and pool.started == 2
+        for name, value in uninterrupted["ddp"].results[0]["full"].items():
+            torch.testing.assert_close(run.results[0]["full"][name], value, rtol=1e-5,
+                                       atol=1e-6)
+        assert pool.run("rank") == {0: "0", 1: "1"}  # and the pool goes on
+
+
+def test_the_picker_passes_max_restarts_on(tmp_path):
+    picker = nbtrain.StrategyPicker(ckpt_train, devices=2, accelerator="cpu", display=False,
+                                    path=str(tmp_path / "ck"), steps=STEPS, save_every=4,
+                                    die_at=10, max_restarts=1)
+    run = picker.start("ddp")
+    run.wait(120)
+    assert run.status == "done" and len(run.attempts) == 1

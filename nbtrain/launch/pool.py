@@ -211,26 +211,22 @@ class RankPool:
     def launch(self, fn: Callable[..., Any], *args: Any, strategy="ddp",
                background: bool = False, timeout: float | None = None,
                telemetry=True, sinks=(), dashboard: bool | str = "auto",
-               resume=None, seed: int | None = None, **kwargs: Any):
+               resume=None, seed: int | None = None, max_restarts: int = 0, **kwargs: Any):
         """Run ``fn(ctx, *args, **kwargs)`` on the warm workers; returns a ``Run`` exactly
         as ``nbtrain.launch`` does (same arguments, except that devices, accelerator and
         start method are the pool's). What the run made is freed on every rank when it
         ends (on CUDA the allocator's cache is emptied too)."""
         calls.warn_shadowed("pool.launch()", fn, calls.given(
             RankPool.launch, strategy=strategy, background=background, timeout=timeout,
-            telemetry=telemetry, sinks=sinks, dashboard=dashboard, resume=resume, seed=seed))
-        with busy_while_blocking():
-            return self._launch(fn, args, kwargs, strategy, background, timeout, telemetry,
-                                sinks, dashboard, resume, seed)
-
-    def _launch(self, fn, args, kwargs, strategy, background, timeout, telemetry, sinks,
-                dashboard, resume, seed):
+            telemetry=telemetry, sinks=sinks, dashboard=dashboard, resume=resume, seed=seed,
+            max_restarts=max_restarts))
         self._check_open()
         request = start.check("pool.launch()", fn, args, kwargs, strategy=strategy,
                               timeout=timeout, telemetry=telemetry, sinks=sinks,
                               dashboard=dashboard, resume=resume, seed=seed,
-                              background=background)
-        return start.execute(request, self.plan, PoolLaunch(self))
+                              background=background, max_restarts=max_restarts)
+        with busy_while_blocking():
+            return start.execute(request, self.plan, PoolLaunch(self))
 
     def __repr__(self) -> str:
         ended = self.workers.ended

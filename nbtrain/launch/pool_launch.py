@@ -81,6 +81,11 @@ class PoolLaunch:
 
         return op, [after]
 
+    def again(self) -> PoolLaunch:
+        """The next attempt's (``max_restarts``): the same pool, whose workers a dead rank
+        ended; ``prepare`` starts new ones (``PoolChannel.heal``)."""
+        return PoolLaunch(self.pool)
+
     def abandon(self) -> None:
         if self.claimed:
             self.pool.channel.release()

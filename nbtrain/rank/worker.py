@@ -208,7 +208,7 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
     result is returned, when the function returned."""
     from ..context import Context
     from ..seeding import rank_seed, seed_all
-    from ..telemetry.channel import TelemetryClient
+    from ..telemetry.client import TelemetryClient
     from ..telemetry.events import Lifecycle
 
     ctx = None

@@ -34,7 +34,8 @@ from ..plan import DevicePlan
 from ..rank.worker import execute
 from ..run import Run
 from ..spec import WorkerSpec
-from ..telemetry.channel import TelemetryClient, parse_address
+from ..telemetry.channel import parse_address
+from ..telemetry.client import TelemetryClient
 from ..telemetry.events import Event, decode, encode
 from ..wire import FAILURE, Reported, decode_failure, label
 from . import clusters

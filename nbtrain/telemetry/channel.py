@@ -23,7 +23,6 @@ step; events that do not fit are dropped and counted.
 
 from __future__ import annotations
 
-import collections
 import hmac
 import json
 import secrets
@@ -34,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .events import Event, decode, encode
+from .events import Event, decode
 
 MAX_FRAME = 1 << 20  # bytes; larger frames are skipped
 _HEADER = struct.Struct(">I")
@@ -305,93 +304,6 @@ def handshake(sock: socket.socket, token: str, hello: dict, timeout: float) -> N
             raise ConnectionRefusedError("the listener could not prove it knows the token "
                                          "(not the notebook's listener?)")
     sock.settimeout(None)
-
-
-class TelemetryClient:
-    """Worker side: ``send`` never blocks; a background thread writes batches."""
-
-    def __init__(self, address: tuple[str, int], token: str, rank: int,
-                 capacity: int = 10_000, flush_interval: float = 0.05,
-                 connect_timeout: float = 30.0, hello: dict | None = None):
-        self.rank = rank
-        self.dropped = 0
-        self._buf: collections.deque[Event] = collections.deque()
-        self._capacity = capacity
-        self._interval = flush_interval
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._closing = False
-        self.lost: str | None = None  # why the listener went away mid-run, if it did
-        self._sock = socket.create_connection(tuple(address), timeout=connect_timeout)
-        # hello: the rank, plus what a remote job says about itself (run id...)
-        greeting = {**(hello or {}), "rank": rank}
-        self._handshake = lambda: handshake(self._sock, token, greeting, connect_timeout)
-        if greeting.get("ack") is True:
-            # a listener elsewhere: the rank must know now whether it took the token
-            try:
-                self._handshake()
-            except BaseException:
-                self._sock.close()
-                raise
-            self._handshake = None
-        # else (the kernel's own listener) the sender thread answers the challenge: the
-        # rank goes on starting meanwhile instead of waiting for the kernel's thread
-        self._thread = threading.Thread(target=self._loop, name="nbtrain-telemetry-send",
-                                        daemon=True)
-        self._thread.start()
-
-    def send(self, event: Event) -> None:
-        # The training loop only queues the (frozen) event; the sender thread encodes
-        # it, often while the loop is in torch's C++ code without the GIL.
-        with self._lock:
-            if len(self._buf) >= self._capacity:
-                self.dropped += 1
-                return
-            self._buf.append(event)
-
-    def _take(self) -> bytes:
-        with self._lock:
-            events = list(self._buf)
-            self._buf.clear()
-        frames = []
-        for event in events:
-            try:
-                frames.append(frame(encode(event)))
-            except Exception:  # one event that cannot be encoded must not end the stream
-                self.dropped += 1
-        return b"".join(frames)
-
-    def _loop(self) -> None:
-        if self._handshake is not None:
-            try:
-                self._handshake()
-            except Exception as err:  # refused, or the kernel is gone: events are dropped
-                self.lost = f"{type(err).__name__}: {err}"
-                return
-        while True:
-            closing = self._closing
-            chunk = self._take()
-            if chunk:
-                try:
-                    self._sock.sendall(chunk)
-                except OSError as err:
-                    self.lost = f"{type(err).__name__}: {err}"
-                    return  # the kernel is gone; the supervisor will notice
-            if closing:
-                return
-            self._wake.wait(self._interval)
-            self._wake.clear()
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Flush what is buffered and close, so the kernel has every event."""
-        self._closing = True
-        self._wake.set()
-        self._thread.join(timeout)
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
 
 
 def format_address(host: str, port: int, token: str) -> str:

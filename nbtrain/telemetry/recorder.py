@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .channel import TelemetryClient
+from .client import TelemetryClient
 from .events import Checkpoint, Comm, Memory, Metric, Step
 from .probes import (
     ActivationProbe,
@@ -141,6 +141,7 @@ class Recorder:
         """Every rank finished writing the checkpoint at ``path`` (sent by rank 0)."""
         self.client.send(Checkpoint(rank=self.rank, step=step, t=time.monotonic(),
                                     path=path))
+        self.client.flush()  # on the wire before this rank can die: a restart needs it
 
     def on_epoch_end(self) -> None:
         self._close_step(time.monotonic())
