@@ -75,6 +75,38 @@ def test_nccl_runs_match_one_process(strategy):
     assert per_rank * param_count() <= model <= 1.05 * per_rank * param_count()
 
 
+@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
+def test_ddp_compression_hooks_train_on_nccl(hook):
+    """torch's DDP communication hooks on NCCL (bf16 and PowerSGD are refused on CPU
+    ranks): fp16 and bf16 stay close to one process; PowerSGD (rank 1) trains."""
+    run = nbtrain.launch(train, devices=_ranks(), accelerator="cuda", comm_hook=hook)
+    assert run.start_method == "fork"
+    if hook == "powersgd":
+        assert run.result["loss"] < 2.0
+        return
+    for name, value in _single().items():
+        torch.testing.assert_close(run.result["full"][name], value, rtol=0, atol=5e-3)
+
+
+def test_the_time_breakdown_comes_from_a_gpu_run_without_breaking_it():
+    """The host's view on a GPU (CUDA events are not used yet): every step has its
+    phases, none negative, and together no longer than the step."""
+    run = nbtrain.launch(train, devices=_ranks(), accelerator="cuda")
+    steps = run.history.events("step", 0)
+    assert steps and all(set(e.phases) >= {"forward", "backward", "optimizer", "comm"}
+                         for e in steps)
+    assert all(min(e.phases.values()) >= 0 and sum(e.phases.values()) <= e.duration * 1.01
+               for e in steps)
+    assert "where a step's" in str(run.summary())
+
+
+@two_gpus
+def test_bandwidth_sweeps_nccl():
+    bw = nbtrain.bandwidth(devices=2, accelerator="cuda", sizes=[2**10, 2**20, 2**26],
+                           iters=5)
+    assert bw.backend == "nccl" and bw.peak_busbw > 1e9, bw  # any GPU link gives > 1 GB/s
+
+
 def test_offload_keeps_the_shards_off_the_gpu():
     run = nbtrain.launch(train, devices=_ranks(), accelerator="cuda", strategy="fsdp_offload",
                          telemetry=nbtrain.Telemetry(memory_every=1))
