@@ -9,21 +9,24 @@ import torch
 from workloads import ckpt_train
 
 import nbtrain
+from nbtrain.strategies import deepspeed
 from nbtrain.telemetry.events import Restart
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 STEPS = 16
 KW = dict(steps=STEPS, save_every=4, devices=2, accelerator="cpu", dashboard=False)
+# DeepSpeed comes with the extra (the hosted-stack legs run without it)
+STRATEGIES = ["ddp", "fsdp", *(["deepspeed_stage_2"] if deepspeed.available() else [])]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     return {s: nbtrain.launch(ckpt_train, path=str(tmp_path_factory.mktemp(s) / "ck"),
-                              strategy=s, **KW) for s in ("ddp", "fsdp")}
+                              strategy=s, **KW) for s in STRATEGIES}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_killed_rank_restarts_from_the_last_checkpoint_and_trains_the_same(
         strategy, uninterrupted, tmp_path):
     """Rank 1 SIGKILLed at step 10 of 16 (as the OOM killer would): the run starts
