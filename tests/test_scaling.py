@@ -161,3 +161,18 @@ def test_bandwidth_refuses_bad_input():
         nbtrain.bandwidth(devices=2, accelerator="cpu", sizes=[0])
     with pytest.raises(ValueError, match="iters"):
         nbtrain.bandwidth(devices=2, accelerator="cpu", iters=0)
+
+
+def test_the_picker_runs_one_rank_beside_n_and_its_comparison_says_how_they_scaled():
+    picker = nbtrain.StrategyPicker(wide, devices=2, accelerator="cpu", display=False)
+    assert [v for _, v in picker.ranks.options] == [2, 1]
+    picker.start("ddp", ranks=1)
+    picker.wait(120)
+    assert picker.run.world_size == 1
+    picker.start("ddp", ranks=2)  # the choice stays, as in the dropdown, until changed
+    picker.wait(120)
+    assert picker.run.world_size == 2
+    text = picker.comparison_text.value
+    assert "2 ranks gave" in text or "2 ranks were slower than one" in text, text
+    with pytest.raises(ValueError, match="on 2 ranks or on 1"):
+        picker.start("ddp", ranks=3)

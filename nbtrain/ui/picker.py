@@ -85,6 +85,11 @@ class StrategyPicker:
         self.precision = widgets.Dropdown(options=PRECISIONS, value="fp32",
                                           description="precision")
         self.offload = widgets.Checkbox(value=False, description="offload to CPU", indent=False)
+        # N ranks, or one (the baseline the comparison measures scaling against)
+        n = self.plan.world_size
+        self.ranks = widgets.Dropdown(options=[(f"{n} ranks", n), ("1 rank", 1)]
+                                      if n > 1 else [("1 rank", 1)], value=n,
+                                      description="ranks", layout={"width": "150px"})
         self.run_button = widgets.Button(description="Run", button_style="success", icon="play")
         self.stop_button = widgets.Button(description="Stop", button_style="danger",
                                           icon="stop", disabled=True)
@@ -96,8 +101,8 @@ class StrategyPicker:
         self.comparison_text = widgets.HTML()
         self.comparison_figure = widgets.Output()
         self.widget = widgets.VBox([
-            widgets.HBox([self.dropdown, self.precision, self.offload, self.run_button,
-                          self.stop_button]),
+            widgets.HBox([self.dropdown, self.precision, self.ranks, self.offload,
+                          self.run_button, self.stop_button]),
             self.description, self.unavailable, self.message, self.live,
             self.comparison_title, self.comparison_text, self.comparison_figure])
         self.widget.add_class("nbtrain-picker")
@@ -115,8 +120,10 @@ class StrategyPicker:
             mark_shown(self)
 
     # -- actions -----------------------------------------------------------------------
-    def start(self, strategy: str | None = None) -> Run:
-        """Start a run of the chosen (or given) strategy in the background; returns it."""
+    def start(self, strategy: str | None = None, ranks: int | None = None) -> Run:
+        """Start a run of the chosen (or given) strategy in the background, on every
+        device or (``ranks=1``) one, the baseline the comparison measures the speed-up
+        and scaling efficiency against; returns the run."""
         if self.run is not None and not self.run.done:
             raise RuntimeError("a run is going; press Stop (or picker.stop()) before "
                                "starting another.")
@@ -128,9 +135,16 @@ class StrategyPicker:
             raise ValueError(f"{name!r} cannot run here: {self.not_offered[name]}")
         if strategy is not None and strategy in self.dropdown.options:
             self.dropdown.value = strategy
+        if ranks is not None:
+            if ranks not in (1, self.plan.world_size):
+                raise ValueError(f"ranks={ranks!r}: the picker runs on "
+                                 f"{self.plan.world_size} ranks or on 1.")
+            self.ranks.value = ranks
+        devices = self.devices if self.ranks.value > 1 else (
+            [self.plan.indices[0]] if self.plan.accelerator == "cuda" else 1)
         chosen = strategies.get(name, **self._options(name))
         dashboard = Dashboard(display=False)
-        run = launch(self.fn, *self.args, devices=self.devices, strategy=chosen,
+        run = launch(self.fn, *self.args, devices=devices, strategy=chosen,
                      background=True, dashboard=False, sinks=[dashboard], **self.kwargs)
         dashboard.bind(run)
         self.run, self.dashboard = run, dashboard
