@@ -195,3 +195,19 @@ def _one_step(ctx):
         ctx.backward(model(x).sum())
         opt.step()
     return os.getpid()
+
+
+def test_a_clock_left_installed_does_not_stack_under_the_next():
+    """A run that never closed (a pool rank's function killed mid-run) leaves its wrapper
+    of Work.wait; the next clock wraps torch's own, and its uninstall restores torch's."""
+    work = torch._C._distributed_c10d.Work
+    original = work.wait
+    try:
+        StepClock().install_waits()  # never uninstalled
+        second = StepClock()
+        second.install_waits()
+        assert work.wait.nbtrain_original is original
+        second.uninstall()
+        assert work.wait is original
+    finally:
+        work.wait = original

@@ -79,7 +79,8 @@ class StepClock:
         collectives of ``torch.distributed`` called without ``async_op`` call too."""
         work = getattr(getattr(torch._C, "_distributed_c10d", None), "Work", None)
         if work is not None and self._wait_original is None:
-            original = work.wait
+            # torch's own, even if a run that never closed left its wrapper (a pool rank)
+            original = getattr(work.wait, "nbtrain_original", work.wait)
             clock = self
 
             def wait(self, *args, **kwargs):
@@ -89,6 +90,7 @@ class StepClock:
                 finally:
                     clock._waited += time.monotonic() - t
 
+            wait.nbtrain_original = original
             try:
                 work.wait = wait
                 self._wait_original = original
