@@ -58,6 +58,8 @@ class Run:
     """A launch of ``fn`` on ``world_size`` ranks.
 
     ``status``: ``"starting"``, ``"running"``, ``"done"``, ``"failed"`` or ``"stopped"``.
+    With ``max_restarts``, ``attempts`` lists the attempts that ended and were followed
+    by another, and ``checkpoints`` the ones ``ctx.save`` completed.
     """
 
     def __init__(self, fn_name: str, strategy, plan, start_method: str,
