@@ -169,13 +169,10 @@ class Run:
 
     def summary(self, baseline: Run | None = None, bandwidth=None) -> Summary:
         """Per rank: peak memory by category, mean step time and where it went,
-        throughput, communication per step, last metric values. Printable as a table.
-
-        When more devices do not pay it says so in one sentence, with what would help:
-        from the time breakdown alone, or beside ``baseline`` (a one-rank run of the same
-        function; ``run.baseline`` once set, as ``nbtrain.scaling`` does) with the
-        speed-up and scaling efficiency. With ``bandwidth`` (``nbtrain.bandwidth()`` on
-        the same devices) it says how much of the communication wait the link explains."""
+        throughput, communication per step, last metric values; a table. When more
+        devices do not pay, one sentence and what would help (beside ``baseline``, a
+        one-rank run of the same function, or ``run.baseline``: with the speed-up); with
+        ``bandwidth`` (``nbtrain.bandwidth()``), how much of the wait the link explains."""
         baseline = baseline if baseline is not None else self.baseline
         return summarize(self.history, self.world_size, self.strategy, self.accelerator,
                          baseline.summary() if baseline is not None else None, bandwidth,
@@ -280,8 +277,9 @@ class Run:
         """Follow the ranks' ``outcome`` (a supervisor, a pool's operation, a job) until
         it is done, then run ``cleanup`` and end the run. With ``restart``, an attempt
         that ended by a cause a restart may cure (``restarts.retry_cause``) is followed by
-        another, up to ``max_restarts`` times: ``restart(checkpoints)`` starts it and
-        returns ``(outcome, cleanup, resume)``."""
+        another, up to ``max_restarts`` times: ``restart(checkpoints, announce)`` picks
+        the checkpoint, calls ``announce(it)`` before any rank starts, starts the ranks
+        and returns ``(outcome, cleanup)``."""
         global _LAST
         _LAST = self
         self._outcome = outcome
@@ -324,10 +322,20 @@ class Run:
         if cause is None:
             return False
         try:
-            outcome, cleanup, resume = self._restart(list(self.checkpoints))
+            outcome, cleanup = self._restart(list(self.checkpoints),
+                                             lambda resume: self._announce(cause, resume))
         except BaseException as err:  # the attempt's own failure is what the run raises
             self.note = f"nbtrain could not restart the run: {type(err).__name__}: {err}"
             return False
+        self._outcome, self._cleanup = outcome, cleanup
+        outcome.start()
+        if self._stop_asked:  # run.stop() while the next attempt started
+            outcome.request_stop("stopped by run.stop()")
+        return True
+
+    def _announce(self, cause: str, resume: str | None) -> None:
+        """The next attempt, recorded and shown before its ranks start (so their events
+        come after it)."""
         attempt = Attempt(len(self.attempts) + 1, cause, self.last_step, resume)
         self.attempts.append(attempt)
         event = Restart(rank=0, step=self.last_step or 0, t=time.monotonic(),
@@ -340,11 +348,6 @@ class Run:
             self._streams["err"].write(f"nbtrain: {attempt} ({attempt.number} of "
                                        f"{self._max_restarts} restarts)\n")
             self._streams["err"].flush()
-        self._outcome, self._cleanup = outcome, cleanup
-        outcome.start()
-        if self._stop_asked:  # run.stop() while the next attempt started
-            outcome.request_stop("stopped by run.stop()")
-        return True
 
     def _conclude(self, outcome) -> None:
         workers = outcome.workers

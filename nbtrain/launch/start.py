@@ -174,15 +174,14 @@ def _restarter(request: Request, plan, backend: Backend, run: Run):
     if not request.max_restarts:
         return None
 
-    def restart(checkpoints: list[str]):
+    def restart(checkpoints: list[str], announce: Callable[[str | None], None]):
         from ..checkpoint import exists
 
         resume = next((p for p in reversed(checkpoints) if exists(p)), request.resume)
         again = backend.again()
-        attempt = dataclasses.replace(request, resume=resume)
-        attempt = again.prepare(attempt, plan)
-        outcome, cleanup = again.start(attempt, plan, run)
-        return outcome, cleanup, resume
+        attempt = again.prepare(dataclasses.replace(request, resume=resume), plan)
+        announce(resume)
+        return again.start(attempt, plan, run)
 
     return restart
 
