@@ -293,7 +293,7 @@ class Context:
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                             drop_last=drop_last, **kwargs)
         return DeviceLoader(loader, sampler, self.device, on_batch=self._on_batch,
-                            on_data_time=self._data_time, on_epoch_end=self._on_epoch_end)
+                            on_data_time=self._data_clock(), on_epoch_end=self._on_epoch_end)
 
     @property
     def total_steps(self) -> int | None:
@@ -315,9 +315,11 @@ class Context:
         if self._recorder is not None:
             self._recorder.on_batch(self._batches - 1, samples, epoch, epoch_steps)
 
-    def _data_time(self, seconds: float) -> None:
-        if self._recorder is not None:
-            self._recorder.data_time(seconds)
+    def _data_clock(self):
+        """Where the loader's waits for batches go: the step clock's ``data`` (called
+        straight, twice a batch), or None when the time breakdown is off."""
+        clock = self._recorder.clock if self._recorder is not None else None
+        return clock.data if clock is not None else None
 
     def _on_epoch_end(self) -> None:
         if self._recorder is not None:

@@ -15,11 +15,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 class DeviceLoader:
     """Iterates a DataLoader, moving each batch to the rank's device; says when a batch
     begins a step (``on_batch(samples, epoch, batches per epoch)``), how long the batch
-    took to load and move (``on_data_time(seconds)``) and when an epoch ends."""
+    took to load and move (``on_data_time(seconds)``; None: not timed) and when an epoch
+    ends."""
 
     def __init__(self, loader: DataLoader, sampler: DistributedSampler, device: torch.device,
                  on_batch: Callable[[int, int, int], None],
-                 on_data_time: Callable[[float], None], on_epoch_end: Callable[[], None]):
+                 on_data_time: Callable[[float], None] | None,
+                 on_epoch_end: Callable[[], None]):
         self.loader = loader
         self.sampler = sampler
         self.epoch = 0
@@ -36,17 +38,20 @@ class DeviceLoader:
         non_blocking = device.type == "cuda"
         steps = len(self.loader)
         batches = iter(self.loader)
+        timed = self._on_data_time
         while True:
-            t = time.monotonic()
+            t = time.monotonic() if timed else 0.0
             try:
                 batch = next(batches)
             except StopIteration:
                 break
-            self._on_data_time(time.monotonic() - t)  # the step that ends now waited for it
+            if timed:
+                timed(time.monotonic() - t)  # the step that ends now waited for it
             self._on_batch(_batch_size(batch), self.epoch, steps)
-            t = time.monotonic()
+            t = time.monotonic() if timed else 0.0
             moved = _to_device(batch, device, non_blocking)
-            self._on_data_time(time.monotonic() - t)
+            if timed:
+                timed(time.monotonic() - t)
             yield moved
         self._on_epoch_end()
         self.epoch += 1

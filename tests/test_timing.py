@@ -185,6 +185,7 @@ def test_timing_can_be_turned_off():
     assert all(not e.phases for e in run.history.events("step"))
     run = nbtrain.launch(_one_step, devices=2, accelerator="cpu", dashboard=False)
     assert all(set(e.phases) == set(PHASES) for e in run.history.events("step"))
+    assert all(e.phases["data"] > 0 for e in run.history.events("step"))  # ctx.dataloader
 
 
 def _one_step(ctx):

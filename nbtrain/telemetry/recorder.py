@@ -132,11 +132,6 @@ class Recorder:
         self._boundary(step, samples)
         self._epoch = (epoch, epoch_steps)
 
-    def data_time(self, seconds: float) -> None:
-        """``ctx.dataloader`` spent ``seconds`` producing a batch (and moving it)."""
-        if self.clock is not None:
-            self.clock.data(seconds)
-
     def checkpoint(self, step: int, path: str) -> None:
         """Every rank finished writing the checkpoint at ``path`` (sent by rank 0)."""
         self.client.send(Checkpoint(rank=self.rank, step=step, t=time.monotonic(),

@@ -48,7 +48,7 @@ class StepClock:
 
     def __init__(self):
         self._acc = dict.fromkeys(PHASES, 0.0)
-        self._waited = 0.0  # seconds waited on collectives, ever (phases subtract theirs)
+        self._waited = 0.0  # seconds waited on collectives this step (phases subtract theirs)
         self._forward_at: tuple[float, float] | None = None  # (started, waited then)
         self._backward_at: tuple[float, float] | None = None
         self._optimizer_at: tuple[float, float] | None = None
@@ -142,8 +142,7 @@ class StepClock:
         if self._final_at is not None:
             started, waited = self._final_at
             self._final_at = None
-            # all of it is waiting (Python waits in it are in _waited already)
-            self._waited += (time.monotonic() - started) - (self._waited - waited)
+            self._waited = waited + time.monotonic() - started  # all of it is waiting
 
     def _optimizer_start(self, optimizer, args, kwargs) -> None:
         if self._optimizer_at is None:  # several optimizers: the first one's start
