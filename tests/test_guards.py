@@ -51,7 +51,7 @@ _poisoned = {"parent": False, "child": False}
 os.register_at_fork(after_in_child=lambda: _poisoned.update(child=_poisoned["parent"]))
 
 
-def _fake_child_probe() -> str | None:
+def _fake_child_probe(driver_initialised: bool) -> str | None:
     return "CUDA was queried in this kernel (simulated)" if _poisoned["child"] else None
 
 
@@ -108,6 +108,38 @@ def test_a_cuda_torch_without_a_driver_counts_no_gpu_without_asking_torch(monkey
     assert parse_devices("auto").accelerator == "cpu"
     with pytest.raises(RuntimeError, match="no CUDA GPU is visible"):
         parse_devices(2, "cuda")
+
+
+def test_the_canary_initialises_no_driver_the_kernel_has_not(monkeypatch):
+    """While nothing in the kernel has called cuInit, a child's own cuInit works: the
+    canary then asks only torch's bad-fork mark, instead of initialising the driver (and
+    the autograd engine's GPU threads) at the cost of a worker's start on every launch."""
+    def must_not_run():
+        raise AssertionError("the canary initialised the driver")
+
+    monkeypatch.setattr(guards, "libcuda_loaded", must_not_run)
+    monkeypatch.setattr(guards, "autograd_probe", must_not_run)
+    assert guards.cuda_probe(driver_initialised=False) is None
+    with pytest.raises(AssertionError, match="initialised the driver"):
+        guards.cuda_probe(driver_initialised=True)
+
+
+def test_the_kernels_driver_state_is_read_before_the_fork(gpu_machine, monkeypatch):
+    monkeypatch.setattr(guards, "CHILD_PROBE", lambda driver: f"driver initialised: {driver}")
+    for state in (False, True):
+        monkeypatch.setattr(culprit, "DRIVER_STATE", lambda state=state: state)
+        assert guards.forked_child_cannot_use_cuda() == f"driver initialised: {state}"
+
+
+def test_a_start_method_asked_for_by_name_forks_no_canary(gpu_machine, monkeypatch):
+    def canary(accelerator="cuda"):
+        raise AssertionError("forked a canary for a start method that does not fork")
+
+    monkeypatch.setattr(guards, "fork_unsafe_reason", canary)
+    assert guards.choose_start_method("spawn") == "spawn"
+    assert guards.choose_start_method("forkserver", "cuda") == "forkserver"
+    with pytest.raises(AssertionError, match="forked a canary"):
+        guards.choose_start_method("auto")
 
 
 def test_the_driver_check_is_real_on_this_machine():

@@ -16,11 +16,13 @@ What the parent's own state says is not enough on a real GPU machine:
   multiprocessing"), on the CPU either.
 
 So the check asks a forked child — the canary — what a worker would find: whether torch
-sees a bad fork, and, when the CUDA driver library is loaded in the kernel, whether
-``cuInit`` works there. A fork of the kernel costs milliseconds; it runs only when this
-torch has CUDA, and for runs whose ranks use CUDA; for ranks on the CPU only when the
-driver is initialised in the kernel (the autograd engine's GPU threads come after that),
-and then the canary runs one backward. ``culprit.py`` says what did it.
+sees a bad fork, and, only when the CUDA driver is initialised in the kernel (read
+without changing it, ``culprit.driver_initialised``), whether ``cuInit`` and a backward
+work there: a child of a kernel whose driver nobody initialised initialises its own. A
+fork of the kernel costs milliseconds; it runs only when this torch has CUDA, for runs
+whose ranks use CUDA (and not when a start method is asked for by name); for ranks on the
+CPU only when the driver is initialised in the kernel (the autograd engine's GPU threads
+come after that), and then the canary runs one backward. ``culprit.py`` says what did it.
 """
 
 from __future__ import annotations
@@ -59,11 +61,20 @@ def libcuda_loaded(maps: str = "/proc/self/maps") -> bool:
         return False
 
 
-def cuda_probe() -> str | None:
-    """Runs in the forked canary: can this child use CUDA as a worker would?"""
+def cuda_probe(driver_initialised: bool = True) -> str | None:
+    """Runs in the forked canary: can this child use CUDA as a worker would?
+
+    ``driver_initialised`` is the kernel's driver state, read before the fork. While
+    nothing in the kernel has called ``cuInit``, a child's own ``cuInit`` works and its
+    autograd engine starts afresh, so only torch's bad-fork mark is asked: initialising
+    the driver in the canary would cost every launch what a worker's start costs (about
+    0.2 s on an H200), for an answer known in advance.
+    """
     if torch.cuda._is_in_bad_fork():
         return (f"CUDA was queried through torch in this kernel ({culprit.torch_culprit()}), "
                 "and forked children cannot use CUDA after that")
+    if not driver_initialised:
+        return None
     if libcuda_loaded():
         code = ctypes.CDLL("libcuda.so.1").cuInit(0)
         if code != 0:
@@ -135,7 +146,9 @@ def forked_child_reason(probe: Callable[[], str | None], timeout: float = 5.0,
 def forked_child_cannot_use_cuda() -> str | None:
     if not torch.backends.cuda.is_built():
         return None  # a CPU build of torch: no CUDA for a child to miss
-    return forked_child_reason(CHILD_PROBE, hung="a forked child hung trying to use CUDA")
+    driver_initialised = culprit.DRIVER_STATE()
+    return forked_child_reason(lambda: CHILD_PROBE(driver_initialised),
+                               hung="a forked child hung trying to use CUDA")
 
 
 def forked_child_cannot_run_backward() -> str | None:
@@ -147,7 +160,7 @@ def forked_child_cannot_run_backward() -> str | None:
 
 
 # The probes the canary runs; tests put fakes here.
-CHILD_PROBE: Callable[[], str | None] = cuda_probe
+CHILD_PROBE: Callable[[bool], str | None] = cuda_probe
 BACKWARD_PROBE: Callable[[], str | None] = autograd_probe
 
 # Named checks, each returning why forking is unsafe, or None; the cheap one first.
@@ -191,6 +204,8 @@ def choose_start_method(requested: str, accelerator: str | None = None) -> Start
             "nbtrain: a spawned worker imports the script that started it, and the script "
             "launches workers at import. Put the launch under `if __name__ == \"__main__\":` "
             "in the script (a notebook cell is never imported again).")
+    if requested in ("spawn", "forkserver"):
+        return requested  # asked for: no canary (on a GPU it costs milliseconds still)
     if accelerator is None:
         accelerator = "cuda" if cuda_device_count() else "cpu"
     reason = fork_unsafe_reason(accelerator)
@@ -202,8 +217,6 @@ def choose_start_method(requested: str, accelerator: str | None = None) -> Start
                 "before touching CUDA, or pass start_method='forkserver' (safe, and warm after "
                 "its first launch).")
         return "fork"
-    if requested in ("spawn", "forkserver"):
-        return requested
     if reason:
         warnings.warn(f"nbtrain: starting workers from a fork server instead of forking the "
                       f"kernel, because {reason}.", RuntimeWarning, stacklevel=3)
