@@ -92,8 +92,12 @@ def nbtrain_train(ctx, args):
 def run_nbtrain(row: str, args, accelerator: str, devices: int) -> dict:
     name, options, _ = ROWS[row]
     strategy = nbtrain.strategies.get(name, **options)
+    # This process asked CUDA for the table's header: fork is unsafe, and nbtrain would
+    # say so in a warning per row; asking for the fork server is what a user would do.
+    method = "forkserver" if torch.cuda.is_initialized() else "auto"
     run = nbtrain.launch(nbtrain_train, args, devices=devices, accelerator=accelerator,
-                         strategy=strategy, dashboard=False, telemetry=False)
+                         strategy=strategy, dashboard=False, telemetry=False,
+                         start_method=method)
     return run.result
 
 
