@@ -80,7 +80,8 @@ def test_when_restarts_run_out_the_error_names_every_attempt(tmp_path):
     text = str(info.value)
     assert info.value.exc_type == "SIGKILL"
     assert "The run was restarted 1 time" in text
-    assert "attempt 1 ended at step" in text and "restarted from the start" in text
+    # ("at step N" only when a rank's events reached the kernel before the kill: timing)
+    assert "attempt 1 ended" in text and "restarted from the start" in text
     assert len(nbtrain.last_run().attempts) == 1
 
 
