@@ -38,7 +38,7 @@ from .strategies import owner_of
 from .strategies.meta_values import copy_into
 from .strategies.norms import sync_statistics
 
-__all__ = ["exists", "load", "save"]
+__all__ = ["exists", "keys", "load", "save"]
 
 _META = ".metadata"
 
@@ -47,6 +47,17 @@ def exists(path: str | os.PathLike) -> bool:
     """Whether ``path`` holds a complete checkpoint (a DCP directory or a full file)."""
     path = os.fspath(path)
     return os.path.isfile(os.path.join(path, _META)) or os.path.isfile(path)
+
+
+def keys(path: str | os.PathLike) -> set[str]:
+    """The names a checkpoint holds: a sharded one's as DCP flattens them
+    (``model.fc.weight``, ``step``), a full one's top-level keys."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return set(FileSystemReader(path).read_metadata().state_dict_metadata)
+    return set(torch.load(path, map_location="cpu", weights_only=False, mmap=True))
 
 
 def save(path: str | os.PathLike, state: Mapping[str, Any], *, full: bool = False,

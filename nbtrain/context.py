@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from .loader import DeviceLoader
+from .loader import DeviceLoader, ResumableSampler
+from .resume import Checkpointer, default_path
 from .strategies.precision import ScaledOptimizer, unwrap
 from .telemetry.recorder import Recorder
 
@@ -45,7 +46,7 @@ class Context:
     """
 
     def __init__(self, spec: WorkerSpec, strategy: Strategy,
-                 telemetry: TelemetryClient | None = None):
+                 telemetry: TelemetryClient | None = None, function: str = "train"):
         self.rank = spec.rank
         self.local_rank = spec.local_rank
         self.world_size = spec.world_size
@@ -58,8 +59,13 @@ class Context:
         self._skipped = 0  # fp16 steps the loss scaler skipped
         self._model: nn.Module | None = None  # the model ctx.setup returned last
         self._optimizers: list[torch.optim.Optimizer] = []  # and its optimizers
-        self._batches = 0
+        self._batches = 0  # the index the next batch from ctx.dataloader gets
+        self._batch_seen = False
         self._logs = 0
+        self._checkpoints: Checkpointer | None = None  # ctx.checkpoint_every
+        self._loaders: list[DeviceLoader] = []
+        self._function = function
+        self._kernel_pid = spec.parent_pid
         self._init_recording = None  # from ctx.init_module()
         self._model_of: dict[int, nn.Module] = {}  # id(optimizer) -> the model it trains
         # The checkpoint given to launch(resume=...), or None: load it to go on from there.
@@ -80,17 +86,20 @@ class Context:
         Settable: after resuming from a checkpoint, ``ctx.step = saved_step + 1`` makes
         the next batch (or ``log`` call) that step, so the curves continue.
         """
-        return self._batches - 1 if self._batches else self._logs
+        return self._batches - 1 if self._batch_seen else self._logs
 
     @step.setter
     def step(self, value: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"ctx.step = {value!r}: give an int >= 0.")
-        if self._batches:
-            self._batches = value
-        self._logs = value
+        self._go_to(value)
+        if self._checkpoints is not None:  # a hand-written loop's step boundary
+            self._checkpoints.step_set(value)
+
+    def _go_to(self, step: int) -> None:
+        self._batches = self._logs = step
         if self._recorder is not None:
-            self._recorder.skip_to(value)
+            self._recorder.skip_to(step)
 
     def __repr__(self) -> str:
         return (f"Context(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
@@ -251,6 +260,36 @@ class Context:
         with self._recorder.paused() if self._recorder is not None else contextlib.nullcontext():
             return checkpoint.load(path, state, strict=strict, models=self._model_of)
 
+    def checkpoint_every(self, steps: int, path: str | os.PathLike | None = None,
+                         **state: Any) -> dict[str, Any]:
+        """Save ``state`` (``model=``, ``optimizer=``, plain values) every ``steps``
+        training steps, so that a restart (``launch(max_restarts=...)``) goes on from the
+        last one exactly: with the step, where ``ctx.dataloader``'s loader was and this
+        rank's random streams. When this launch goes on from a checkpoint (a restart, or
+        ``launch(resume=...)``), it is loaded here first. Returns the state, its plain
+        values as loaded and ``step``: the steps already done (0 on a fresh start).
+
+        Steps are the batches of ``ctx.dataloader``'s loader (``loader=`` in the state
+        names which, else the function's first; its epochs already done then yield
+        nothing and the next starts at the saved batch), or, in a loop without one, the
+        values given to ``ctx.step`` at the top of each step: ``for step in
+        range(state["step"], n): ctx.step = step``. ``path``: a directory every rank
+        sees (default: one per kernel and function in the temporary directory). Every
+        rank must call it, once, after ``ctx.setup``.
+        """
+        if self._checkpoints is not None:
+            raise RuntimeError("ctx.checkpoint_every was already called in this run; call "
+                               "it once, with everything to save.")
+        keeper = Checkpointer.begin(steps, path or default_path(self._function,
+                                                                self._kernel_pid),
+                                    state, self._loaders, self.rank, self.device,
+                                    self.save, self.load)
+        self._checkpoints = keeper
+        state = keeper.resume(self.resume_from)
+        if keeper.start:
+            self._go_to(keeper.start)  # the curves go on from there
+        return state
+
     def checkpoint_exists(self, path: str | os.PathLike) -> bool:
         from . import checkpoint
 
@@ -287,13 +326,17 @@ class Context:
         elif isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"ctx.dataloader(seed={seed!r}): give an int, the same on every "
                             "rank (or leave it out to use launch(seed=...)).")
-        sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank,
-                                     shuffle=shuffle, seed=seed, drop_last=drop_last)
+        sampler = ResumableSampler(dataset, num_replicas=self.world_size, rank=self.rank,
+                                   shuffle=shuffle, seed=seed, drop_last=drop_last)
         kwargs.setdefault("pin_memory", self.device.type == "cuda")
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                             drop_last=drop_last, **kwargs)
-        return DeviceLoader(loader, sampler, self.device, on_batch=self._on_batch,
+        made = DeviceLoader(loader, sampler, self.device, on_batch=self._on_batch,
                             on_data_time=self._data_clock(), on_epoch_end=self._on_epoch_end)
+        self._loaders.append(made)
+        if self._checkpoints is not None and self._checkpoints.loader is None:
+            self._checkpoints.attach(made)  # the first loader after checkpoint_every
+        return made
 
     @property
     def total_steps(self) -> int | None:
@@ -311,6 +354,7 @@ class Context:
             self._recorder.total_steps = value or 0
 
     def _on_batch(self, samples: int, epoch: int = 0, epoch_steps: int = 0) -> None:
+        self._batch_seen = True
         self._batches += 1
         if self._recorder is not None:
             self._recorder.on_batch(self._batches - 1, samples, epoch, epoch_steps)

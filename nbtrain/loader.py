@@ -1,9 +1,12 @@
 """``ctx.dataloader``'s loader: a DataLoader over this rank's part of the data
 (``DistributedSampler``), each batch moved to the rank's device, its steps counted and
-the time spent waiting for batches measured (telemetry's step boundaries and "data")."""
+the time spent waiting for batches measured (telemetry's step boundaries and "data").
+It knows where it is (epoch, batch) and can go on from there after a restart
+(``ctx.checkpoint_every``)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -12,27 +15,63 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 
+class ResumableSampler(DistributedSampler):
+    """A ``DistributedSampler`` whose next epoch can start ``skip`` indices in: a resumed
+    run's loader goes on without loading the batches it already trained on."""
+
+    skip = 0
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        return itertools.islice(super().__iter__(), skip, None)
+
+
 class DeviceLoader:
     """Iterates a DataLoader, moving each batch to the rank's device; says when a batch
     begins a step (``on_batch(samples, epoch, batches per epoch)``), how long the batch
     took to load and move (``on_data_time(seconds)``; None: not timed) and when an epoch
-    ends."""
+    ends. ``on_fetch``, when set, is called before each batch is fetched: the boundary
+    between two steps, where ``ctx.checkpoint_every`` saves."""
 
-    def __init__(self, loader: DataLoader, sampler: DistributedSampler, device: torch.device,
+    def __init__(self, loader: DataLoader, sampler: ResumableSampler, device: torch.device,
                  on_batch: Callable[[int, int, int], None],
                  on_data_time: Callable[[float], None] | None,
                  on_epoch_end: Callable[[], None]):
         self.loader = loader
         self.sampler = sampler
         self.epoch = 0
+        self.batch = 0  # batches of this epoch handed out
+        self.handed_out = 0  # batches handed out in all
         self.device = device
         self._on_batch, self._on_data_time = on_batch, on_data_time
         self._on_epoch_end = on_epoch_end
+        self.on_fetch: Callable[[DeviceLoader], None] | None = None
+        self._resume: tuple[int, int] | None = None
+        self._done_epochs = 0  # epochs a resumed loader hands out empty
 
     def __len__(self) -> int:
         return len(self.loader)
 
+    @property
+    def position(self) -> tuple[int, int]:
+        """(epoch, batches of it done): where the next batch comes from."""
+        return self.epoch, self.batch
+
+    def resume_at(self, epoch: int, batch: int) -> None:
+        """Go on from ``batch`` of ``epoch``: the loop over epochs runs as written, the
+        epochs already done yield nothing, the next epoch starts at ``batch``."""
+        self._resume = (epoch, batch)
+        self._done_epochs = epoch
+
     def __iter__(self) -> Iterator[Any]:
+        if self._done_epochs:  # a resumed run: this epoch was trained before the restart
+            self._done_epochs -= 1
+            return
+        if self._resume is not None:
+            (self.epoch, self.batch), self._resume = self._resume, None
+            self.sampler.skip = self.batch * (self.loader.batch_size or 1)
+        else:
+            self.batch = 0
         self.sampler.set_epoch(self.epoch)
         device = self.device
         non_blocking = device.type == "cuda"
@@ -40,6 +79,8 @@ class DeviceLoader:
         batches = iter(self.loader)
         timed = self._on_data_time
         while True:
+            if self.on_fetch is not None:
+                self.on_fetch(self)
             t = time.monotonic() if timed else 0.0
             try:
                 batch = next(batches)
@@ -47,6 +88,8 @@ class DeviceLoader:
                 break
             if timed:
                 timed(time.monotonic() - t)  # the step that ends now waited for it
+            self.batch += 1
+            self.handed_out += 1
             self._on_batch(_batch_size(batch), self.epoch, steps)
             t = time.monotonic() if timed else 0.0
             moved = _to_device(batch, device, non_blocking)
@@ -55,6 +98,7 @@ class DeviceLoader:
             yield moved
         self._on_epoch_end()
         self.epoch += 1
+        self.batch = 0
 
 
 def _batch_size(batch: Any) -> int:

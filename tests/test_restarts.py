@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from workloads import ckpt_train
+from workloads import ckpt_train, every_train
 
 import nbtrain
 from nbtrain.strategies import deepspeed
@@ -54,6 +54,49 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_trains_the_same(
     assert "restarted 1 time" in str(run.summary())
 
 
+@pytest.fixture(scope="module")
+def every_uninterrupted(tmp_path_factory):
+    return {s: nbtrain.launch(every_train, str(tmp_path_factory.mktemp(s) / "ck"),
+                              strategy=s, devices=2, accelerator="cpu", dashboard=False)
+            for s in STRATEGIES}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_checkpoint_every_resumes_the_step_the_data_and_the_random_streams(
+        strategy, every_uninterrupted, tmp_path):
+    """ctx.checkpoint_every(6) with a shuffled ctx.dataloader over 3 epochs (48 steps)
+    and noise drawn every step; rank 1 SIGKILLed at step 20. The restart goes on from
+    step 18 (epoch 1, batch 2, each rank's generators as they were), and every loss after
+    it and the final weights are the uninterrupted run's."""
+    path = str(tmp_path / "ck")
+    run = nbtrain.launch(every_train, path, strategy=strategy, die_at=20, max_restarts=1,
+                         devices=2, accelerator="cpu", dashboard=False)
+    [attempt] = run.attempts
+    assert "SIGKILL" in attempt.cause and attempt.resume == path
+    assert run.results[0]["first"] == 18 and run.results[0]["note"] == "fresh"
+    whole = every_uninterrupted[strategy]
+    for rank in (0, 1):
+        want = dict(whole.history.metric("loss", rank))
+        got = dict(run.history.metric("loss", rank))
+        assert sorted(got) == list(range(48))
+        assert all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in range(18, 48)), \
+            f"{strategy}: rank {rank}'s losses after the restart differ"
+    for name, value in whole.results[0]["full"].items():
+        torch.testing.assert_close(run.results[0]["full"][name], value, rtol=1e-5, atol=1e-6,
+                                   msg=f"{strategy}: {name} differs after the restart")
+
+
+def test_checkpoint_every_in_a_loop_without_a_loader(tmp_path):
+    """A hand-written loop (``ctx.step = step`` at the top of each step, batches drawn
+    from the generator): saved every 6 steps, resumed from 18 exactly."""
+    kw = dict(hand=True, devices=2, accelerator="cpu", dashboard=False)
+    whole = nbtrain.launch(every_train, str(tmp_path / "a"), **kw)
+    run = nbtrain.launch(every_train, str(tmp_path / "b"), die_at=20, max_restarts=1, **kw)
+    assert run.results[0]["first"] == 18
+    for name, value in whole.results[0]["full"].items():
+        torch.testing.assert_close(run.results[0]["full"][name], value, rtol=1e-5, atol=1e-6)
+
+
 def test_a_rank_that_exits_without_returning_is_restarted(tmp_path):
     run = nbtrain.launch(ckpt_train, path=str(tmp_path / "ck"), die_at=6, die_by="exit",
                          max_restarts=1, **KW)
@@ -95,17 +138,18 @@ def test_max_restarts_is_checked_before_anything_starts():
 @pytest.mark.kernel
 def test_in_a_kernel_the_dashboard_marks_the_restart_and_nothing_is_left(kernel_clean,
                                                                           tmp_path):
-    """The issue's case in a real kernel: rank 1 SIGKILLed at step 20 of 40, two restarts
-    allowed; the run ends done with the uninterrupted weights, its figure marks one
-    restart with its cause, and no process stays (kernel_clean checks)."""
+    """The issue's case in a real kernel: rank 1 SIGKILLed at step 20 of 48 (a shuffled
+    loader, ctx.checkpoint_every(5)), two restarts allowed; the run ends done with the
+    uninterrupted weights, its figure marks one restart with its cause, and no process
+    stays (kernel_clean checks)."""
     k = kernel_clean
     reply = k.run(f"""
         import nbtrain, torch
-        from workloads import ckpt_train
-        kw = dict(steps=40, save_every=5, devices=2, strategy="ddp")
-        run = nbtrain.launch(ckpt_train, path={str(tmp_path / 'a')!r}, die_at=20,
+        from workloads import every_train
+        kw = dict(every=5, devices=2, strategy="ddp")
+        run = nbtrain.launch(every_train, {str(tmp_path / 'a')!r}, die_at=20,
                              max_restarts=2, **kw)
-        ref = nbtrain.launch(ckpt_train, path={str(tmp_path / 'b')!r}, dashboard=False, **kw)
+        ref = nbtrain.launch(every_train, {str(tmp_path / 'b')!r}, dashboard=False, **kw)
         print("status", run.status, len(run.attempts), run.attempts[0].step)
         print("same", all(torch.equal(run.results[0]["full"][n], v)
                           for n, v in ref.results[0]["full"].items()))

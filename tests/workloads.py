@@ -411,6 +411,41 @@ def ckpt_train(ctx, path=None, load_from=None, steps=8, save_every=0, stop_after
     return {"full": ctx.full_state_dict(model), "first": first}
 
 
+def every_train(ctx, path=None, epochs=3, every=6, hand=False, die_at=None,
+                die_by="SIGKILL", die_rank=1):
+    """ctx.checkpoint_every with a shuffled ctx.dataloader over ``epochs`` epochs (16
+    steps each on 2 ranks), noise drawn from each rank's generator every step; or
+    ``hand``: a loop without a loader, its batches drawn from the generator. Rank
+    ``die_rank`` dies at step ``die_at`` of the first attempt."""
+    torch.manual_seed(0)
+    model = Deep()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = ctx.setup(model, opt)
+    state = ctx.checkpoint_every(every, path, model=model, optimizer=opt, note="fresh")
+    first, note = state["step"], state["note"]
+
+    def train_step(x, y):
+        if ctx.step == die_at and ctx.resume_from is None and ctx.rank == die_rank:
+            _die(die_by, ctx.step)
+        loss = nn.functional.cross_entropy(model(x + 0.1 * torch.randn_like(x)), y)
+        ctx.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        ctx.log(loss=loss)
+
+    if hand:
+        for step in range(first, epochs * 16):
+            ctx.step = step
+            x = torch.randn(8, D).to(ctx.device)
+            train_step(x, (x[:, 0] > 0).long())
+    else:
+        loader = ctx.dataloader(dataset(), batch_size=8, shuffle=True)
+        for _ in range(epochs):
+            for x, y in loader:
+                train_step(x, y)
+    return {"full": ctx.full_state_dict(model), "first": first, "note": note}
+
+
 def _die(how: str, step: int) -> None:
     sys.stdout.flush()
     if how == "exit":

@@ -218,7 +218,7 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
             telemetry = TelemetryClient(spec.telemetry_address, spec.telemetry_token, spec.rank)
         if setup is not None:
             setup()
-        ctx = Context(spec, strategy, telemetry)
+        ctx = Context(spec, strategy, telemetry, function=_name(fn))
         if telemetry:
             telemetry.send(Lifecycle(rank=spec.rank, step=0, t=time.monotonic(),
                                      state="started"))
@@ -255,6 +255,12 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
     if telemetry:
         telemetry.close()  # every event is in the kernel before the result is
     return message
+
+
+def _name(fn: Any) -> str:
+    """The user's function's name (ctx.checkpoint_every's default directory)."""
+    inner = getattr(fn, "fn", fn)  # CallWithoutCtx keeps the function it calls
+    return getattr(inner, "__qualname__", None) or type(inner).__name__
 
 
 def _load(payload: Any):
