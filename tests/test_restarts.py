@@ -167,6 +167,22 @@ def test_in_a_kernel_the_dashboard_marks_the_restart_and_nothing_is_left(kernel_
     assert "restart 1 after step" in marks and "SIGKILL" in marks, marks
 
 
+@pytest.mark.kernel
+def test_in_a_kernel_a_rank_hung_in_a_collective_is_restarted(kernel_clean, tmp_path):
+    """Rank 1 stops answering; rank 0's all-reduce times out (a group with a 3 s
+    timeout): every rank of the attempt is ended and the next one finishes."""
+    reply = kernel_clean.run(f"""
+        import nbtrain
+        from workloads import hang_once
+        run = nbtrain.launch(hang_once, {str(tmp_path / 'hung')!r}, devices=2,
+                             max_restarts=1, dashboard=False)
+        print("status", run.status, run.results, run.attempts[0].cause)
+        """, timeout=120)
+    assert reply.error is None, reply.error
+    assert "status done [2.0, 2.0] rank 0:" in reply.stdout, reply.stdout
+    assert "Timed out" in reply.stdout
+
+
 def test_a_pool_run_restarts_on_new_workers(uninterrupted, tmp_path):
     """pool.launch(max_restarts=...): the dead rank's workers are replaced (the pool heals)
     and the run goes on from its checkpoint, on the same pool."""

@@ -446,6 +446,22 @@ def every_train(ctx, path=None, epochs=3, every=6, hand=False, die_at=None,
     return {"full": ctx.full_state_dict(model), "first": first, "note": note}
 
 
+def hang_once(ctx, marker, hang_at=3, steps=6, timeout_s=3.0):
+    """All-reduces on a gloo group whose collectives time out after ``timeout_s``; in
+    the first attempt (no ``marker`` file yet) rank 1 stops answering at ``hang_at``."""
+    import datetime
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    for step in range(steps):
+        ctx.step = step
+        if step == hang_at and ctx.rank == 1 and not os.path.exists(marker):
+            open(marker, "w").close()
+            time.sleep(60)
+        total = torch.ones(1)
+        dist.all_reduce(total, group=group)
+    return total.item()
+
+
 def _die(how: str, step: int) -> None:
     sys.stdout.flush()
     if how == "exit":
