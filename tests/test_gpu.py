@@ -15,7 +15,7 @@ import pytest
 import torch
 from kernel import Kernel
 from models import fit, reference
-from workloads import cpu_and_gpu_collectives, param_count, single_in_worker, train
+from workloads import cpu_and_gpu_collectives, every_train, param_count, single_in_worker, train
 
 import nbtrain
 from nbtrain.checkpoint import exists
@@ -249,6 +249,18 @@ def test_counting_gpus_keeps_fork_safe():
     assert done.returncode == 0, done.stderr
     assert "plan: cuda" in done.stdout and "safe: None" in done.stdout
     assert "forked: fork 4.0" in done.stdout
+
+
+def test_checkpoint_every_restores_the_cuda_generator(tmp_path):
+    """A restart on the GPU goes on exactly: the noise each step draws comes from the
+    CUDA generator, which the checkpoint keeps per rank."""
+    n = _ranks()
+    kw = dict(devices=n, accelerator="cuda", dashboard=False, die_rank=n - 1)
+    whole = nbtrain.launch(every_train, str(tmp_path / "a"), **kw)
+    run = nbtrain.launch(every_train, str(tmp_path / "b"), die_at=20, max_restarts=1, **kw)
+    assert len(run.attempts) == 1 and run.results[0]["first"] == 18
+    for name, value in whole.results[0]["full"].items():
+        torch.testing.assert_close(run.results[0]["full"][name], value, rtol=1e-5, atol=1e-6)
 
 
 def test_pool_frees_a_runs_cuda_memory_before_the_next():
