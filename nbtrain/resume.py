@@ -7,8 +7,9 @@ where ``ctx.dataloader``'s loader is (epoch and batch) and this rank's random st
 (torch's CPU and CUDA generators, Python's ``random``, numpy's). The last two are this
 rank's own, so each rank writes them under a key of its own.
 
-When the launch goes on from a checkpoint (a restart under ``max_restarts``, or
-``launch(resume=...)``), it is loaded before training starts: the models and optimizers
+When the launch goes on from a checkpoint (a restart under ``max_restarts``,
+``launch(resume=...)``, or torchrun's agent starting the ranks again, which finds it in
+``checkpoint_every``'s own directory), it is loaded before training starts: the models and optimizers
 in place, the step, the loader's position (the epochs already done yield nothing, the
 next one starts at the saved batch, without loading the batches before it), and, at the
 first step boundary, the random streams. Losses after a restart are then an
@@ -46,6 +47,12 @@ def default_path(function: str, kernel_pid: int) -> str:
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", function).strip("_") or "train"
     return os.path.join(tempfile.gettempdir(), f"nbtrain-checkpoints-{os.getuid()}",
                         f"{kernel_pid}-{name}")
+
+
+def elastic_restart() -> bool:
+    """Is this process a restart by torchrun's agent (``--max-restarts``)? It knows no
+    checkpoint; ``checkpoint_every``'s own directory is where to go on from."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
 
 
 def random_streams(device: torch.device) -> dict[str, Any]:
@@ -115,6 +122,8 @@ class Checkpointer:
         ``ctx.save``'s, or one saved by another number of ranks, gives what it has (the
         models, optimizers and values) and no step, position or random streams."""
         self.state.pop("step", None)
+        if not source and elastic_restart() and checkpoint.exists(self.path):
+            source = self.path  # torchrun started this process again: go on from ours
         if source:
             key = _KEY.format(rank=self.rank)
             if key in checkpoint.keys(source):

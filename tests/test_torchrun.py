@@ -303,3 +303,25 @@ def test_the_notebook_watches_a_two_node_torchrun_job_live(kernel_clean):
     shown = kernel.late_displays.get(listen_cell, [])
     assert any("train" in str(d) and "fsdp" in str(d) for d in shown), shown
     kernel.run("watch.close()")
+
+
+def test_a_torchrun_restart_goes_on_from_checkpoint_every(tmp_path):
+    """`nbtrain run ... --max-restarts 1`: torchrun's agent starts both ranks again after
+    rank 1's SIGKILL at step 20; ctx.checkpoint_every finds its own last checkpoint (the
+    agent knows none) and the job ends with an uninterrupted run's weights."""
+    def job(name: str, *extra: str) -> dict:
+        out = tmp_path / f"{name}.pt"
+        done = subprocess.run(
+            [sys.executable, "-m", "nbtrain", "run", f"{TESTS / 'workloads.py'}:every_train",
+             f"path={str(tmp_path / name)!r}", f"out={str(out)!r}", *extra,
+             "--accelerator", "cpu", "--seed", "1", "--nproc-per-node", "2",
+             "--max-restarts", "1", "--monitor-interval", "0.2"],
+            env=job_env(), capture_output=True, text=True, timeout=240, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return torch.load(out)
+
+    whole = job("whole")
+    restarted = job("restarted", "die_at=20")
+    assert restarted["first"] == 18 and whole["first"] == 0
+    for name, value in whole["full"].items():
+        torch.testing.assert_close(restarted["full"][name], value, rtol=1e-5, atol=1e-6)

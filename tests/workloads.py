@@ -412,11 +412,11 @@ def ckpt_train(ctx, path=None, load_from=None, steps=8, save_every=0, stop_after
 
 
 def every_train(ctx, path=None, epochs=3, every=6, hand=False, die_at=None,
-                die_by="SIGKILL", die_rank=1):
+                die_by="SIGKILL", die_rank=1, out=None):
     """ctx.checkpoint_every with a shuffled ctx.dataloader over ``epochs`` epochs (16
     steps each on 2 ranks), noise drawn from each rank's generator every step; or
     ``hand``: a loop without a loader, its batches drawn from the generator. Rank
-    ``die_rank`` dies at step ``die_at`` of the first attempt."""
+    ``die_rank`` dies at step ``die_at`` when the run started from step 0."""
     torch.manual_seed(0)
     model = Deep()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -425,7 +425,7 @@ def every_train(ctx, path=None, epochs=3, every=6, hand=False, die_at=None,
     first, note = state["step"], state["note"]
 
     def train_step(x, y):
-        if ctx.step == die_at and ctx.resume_from is None and ctx.rank == die_rank:
+        if ctx.step == die_at and first == 0 and ctx.rank == die_rank:  # a fresh start
             _die(die_by, ctx.step)
         loss = nn.functional.cross_entropy(model(x + 0.1 * torch.randn_like(x)), y)
         ctx.backward(loss)
@@ -443,7 +443,10 @@ def every_train(ctx, path=None, epochs=3, every=6, hand=False, die_at=None,
         for _ in range(epochs):
             for x, y in loader:
                 train_step(x, y)
-    return {"full": ctx.full_state_dict(model), "first": first, "note": note}
+    result = {"full": ctx.full_state_dict(model), "first": first, "note": note}
+    if out and ctx.rank == 0:  # under torchrun, where nothing comes back to a caller
+        torch.save(result, out)
+    return result
 
 
 def hang_once(ctx, marker, hang_at=3, steps=6, timeout_s=3.0):

@@ -90,6 +90,10 @@ class _Tee:
         if self.remote is not None:
             self.remote.send(event)
 
+    def flush(self, timeout: float = 5.0) -> bool:
+        """What is queued for the listener is on the wire (kept events are at once)."""
+        return self.remote.flush(timeout) if self.remote is not None else True
+
     def close(self) -> None:
         if self.remote is not None:
             self.remote.close()
@@ -213,8 +217,19 @@ def _join(plan: DevicePlan, local_rank: int, timeout_s: float) -> None:
 
     if dist.is_initialized():
         return
-    init: dict[str, Any] = dict(backend=plan.backend, init_method="env://",
-                                timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    init: dict[str, Any] = dict(backend=plan.backend, init_method="env://", timeout=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across restarts (torch 2.13), and env:// adds no
+        # prefix per attempt: a restarted rank 0 can read the dead attempt's address of a
+        # peer that has not written its new one yet and fail ("connectFullMesh failed ...
+        # Connection refused"; plain torchrun with DDP does too). A prefix per attempt.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timeout)
+        init = dict(backend=plan.backend, timeout=timeout,
+                    store=dist.PrefixStore(f"nbtrain/attempt_{attempt}/", store),
+                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     if plan.accelerator == "cuda":
         torch.cuda.set_device(local_rank)
         init["device_id"] = torch.device("cuda", local_rank)
