@@ -305,23 +305,38 @@ def test_the_notebook_watches_a_two_node_torchrun_job_live(kernel_clean):
     kernel.run("watch.close()")
 
 
-def test_a_torchrun_restart_goes_on_from_checkpoint_every(tmp_path):
-    """`nbtrain run ... --max-restarts 1`: torchrun's agent starts both ranks again after
-    rank 1's SIGKILL at step 20; ctx.checkpoint_every finds its own last checkpoint (the
-    agent knows none) and the job ends with an uninterrupted run's weights."""
-    def job(name: str, *extra: str) -> dict:
+@pytest.mark.parametrize("runner", ["nbtrain run", "torchrun"])
+def test_a_torchrun_restart_goes_on_from_checkpoint_every(runner, tmp_path):
+    """`--max-restarts 1`: torchrun's agent starts both ranks again after rank 1's SIGKILL
+    at step 20; ctx.checkpoint_every finds its own last checkpoint (the agent knows none)
+    and the job ends with an uninterrupted run's weights. Through `nbtrain run`, and
+    through torchrun itself running a script that calls launch() (its agent's store then
+    serves every attempt: the ranks meet under a prefix of their attempt's)."""
+    script = tmp_path / "job.py"
+    script.write_text("import sys, nbtrain\nfrom workloads import every_train\n"
+                      "kw = eval(sys.argv[1])\n"
+                      "nbtrain.launch(every_train, accelerator='cpu', seed=1, **kw)\n")
+
+    def job(name: str, **extra) -> dict:
         out = tmp_path / f"{name}.pt"
-        done = subprocess.run(
-            [sys.executable, "-m", "nbtrain", "run", f"{TESTS / 'workloads.py'}:every_train",
-             f"path={str(tmp_path / name)!r}", f"out={str(out)!r}", *extra,
-             "--accelerator", "cpu", "--seed", "1", "--nproc-per-node", "2",
-             "--max-restarts", "1", "--monitor-interval", "0.2"],
-            env=job_env(), capture_output=True, text=True, timeout=240, cwd=tmp_path)
+        kw = dict(path=str(tmp_path / name), out=str(out), **extra)
+        restarts = ["--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval",
+                    "0.2"]
+        if runner == "nbtrain run":
+            cmd = [sys.executable, "-m", "nbtrain", "run",
+                   f"{TESTS / 'workloads.py'}:every_train",
+                   *[f"{k}={v!r}" for k, v in kw.items()], "--accelerator", "cpu",
+                   "--seed", "1", *restarts]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *restarts,
+                   str(script), repr(kw)]
+        done = subprocess.run(cmd, env=job_env(), capture_output=True, text=True,
+                              timeout=240, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
         return torch.load(out)
 
     whole = job("whole")
-    restarted = job("restarted", "die_at=20")
+    restarted = job("restarted", die_at=20)
     assert restarted["first"] == 18 and whole["first"] == 0
     for name, value in whole["full"].items():
         torch.testing.assert_close(restarted["full"][name], value, rtol=1e-5, atol=1e-6)

@@ -95,6 +95,10 @@ def main(argv: list[str]) -> int:
         return 2
     command = torchrun_command(mine, passed)
     env = dict(os.environ)
+    # Each restart's ranks meet in a store of their own, not in the agent's (shared by
+    # every attempt, where a restarted rank can read a dead attempt's address: torch's
+    # issue 135712; torch's own remedy). scaleout/torchrun.py covers plain torchrun.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if options.attach:
         env["NBTRAIN_ATTACH"] = options.attach
     try:

@@ -223,7 +223,9 @@ def _join(plan: DevicePlan, local_rank: int, timeout_s: float) -> None:
         # torchrun's agent keeps one store across restarts (torch 2.13), and env:// adds no
         # prefix per attempt: a restarted rank 0 can read the dead attempt's address of a
         # peer that has not written its new one yet and fail ("connectFullMesh failed ...
-        # Connection refused"; plain torchrun with DDP does too). A prefix per attempt.
+        # Connection refused"; plain torchrun with DDP does too; torch's issue 135712).
+        # A prefix per attempt (the count agrees on one node; `nbtrain run` sets
+        # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 instead, which holds across nodes too).
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                               is_master=False, timeout=timeout)
