@@ -141,7 +141,7 @@ def test_in_a_kernel_the_dashboard_marks_the_restart_and_nothing_is_left(kernel_
     """The issue's case in a real kernel: rank 1 SIGKILLed at step 20 of 48 (a shuffled
     loader, ctx.checkpoint_every(5)), two restarts allowed; the run ends done with the
     uninterrupted weights, its figure marks one restart with its cause, and no process
-    stays (kernel_clean checks)."""
+    stays (kernel_clean checks); then the same under fsdp and a DeepSpeed stage."""
     k = kernel_clean
     reply = k.run(f"""
         import nbtrain, torch
@@ -157,7 +157,15 @@ def test_in_a_kernel_the_dashboard_marks_the_restart_and_nothing_is_left(kernel_
         from nbtrain.ui.state import LiveState
         fig = build_figure(LiveState.from_run(run))  # what the view ends with, and the report
         print("marks", [t.hovertemplate for t in fig.data if t.name == "restart 1"])
-        """, timeout=240)
+        for strategy in {STRATEGIES[1:]!r}:  # the sharded ones, without the dashboard
+            kw.update(strategy=strategy, dashboard=False)
+            run = nbtrain.launch(every_train, {str(tmp_path / 'c')!r} + strategy,
+                                 die_at=20, max_restarts=2, **kw)
+            ref = nbtrain.launch(every_train, {str(tmp_path / 'd')!r} + strategy, **kw)
+            print(strategy, len(run.attempts), all(
+                torch.allclose(run.results[0]["full"][n], v, rtol=1e-5, atol=1e-6)
+                for n, v in ref.results[0]["full"].items()))
+        """, timeout=300)
     assert reply.error is None, reply.error
     assert "status done 1" in reply.stdout and "same True" in reply.stdout, reply.stdout
     step = int(reply.stdout.split("status done 1 ")[1].split()[0])
@@ -165,6 +173,8 @@ def test_in_a_kernel_the_dashboard_marks_the_restart_and_nothing_is_left(kernel_
     assert "attempt 1 ended at step" in reply.stderr and "SIGKILL" in reply.stderr
     marks = reply.stdout.split("marks ")[1]
     assert "restart 1 after step" in marks and "SIGKILL" in marks, marks
+    for strategy in STRATEGIES[1:]:
+        assert f"{strategy} 1 True" in reply.stdout, reply.stdout
 
 
 @pytest.mark.kernel
