@@ -1,8 +1,8 @@
 """How long does a rank's death cost a run with ``max_restarts``?
 
 Two CPU ranks (gloo) train a 0.92M-parameter MLP with AdamW, saving a checkpoint
-(``ctx.save``, sharded) every 10 steps; rank 1 SIGKILLs itself at step 25 of the first
-attempt, as the OOM killer would. Printed per start method, median [lowest-highest] of
+(``ctx.checkpoint_every``, sharded) every 10 steps; rank 1 SIGKILLs itself at step 25 of
+the first attempt, as the OOM killer would. Printed per start method, median [lowest-highest] of
 ``--repeats`` runs, on one clock (``time.monotonic``, the same in every process):
 
   death -> restart:    from the kill until the kernel starts the next attempt (the other
@@ -37,12 +37,10 @@ def train(ctx, path: str, stamp: str):
                           nn.ReLU(), nn.Linear(384, 10))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = ctx.setup(model, opt)
-    state = {"model": model, "optimizer": opt, "step": -1}
-    if ctx.resume_from:
-        ctx.load(ctx.resume_from, state)
+    state = ctx.checkpoint_every(SAVE_EVERY, path, model=model, optimizer=opt)
     x, y = torch.randn(32, 512), torch.randint(0, 10, (32,))
-    for step in range(state["step"] + 1, STEPS):
-        ctx.step = step
+    for step in range(state["step"], STEPS):
+        ctx.step = step  # the boundary where checkpoint_every saves
         if step == DIE_AT and not ctx.resume_from and ctx.rank == 1:
             with open(stamp, "w") as f:
                 f.write(repr(time.monotonic()))
@@ -51,9 +49,6 @@ def train(ctx, path: str, stamp: str):
         ctx.backward(loss)
         opt.step()
         opt.zero_grad()
-        if (step + 1) % SAVE_EVERY == 0:
-            state["step"] = step
-            ctx.save(path, state)
     return step
 
 
