@@ -178,6 +178,38 @@ def test_in_a_kernel_the_dashboard_marks_the_restart_and_nothing_is_left(kernel_
 
 
 @pytest.mark.kernel
+def test_in_a_kernel_from_the_fork_server_exits_restart_and_exceptions_do_not(kernel_clean,
+                                                                             tmp_path):
+    """From the fork server, in a real kernel: a rank that exits 0 without returning is
+    restarted; the user's own exception is raised at once, not retried; the server
+    survives both and serves the next launch (kernel_clean: nothing else is left)."""
+    reply = kernel_clean.run(f"""
+        import nbtrain
+        from nbtrain.launch import forkserver
+        from workloads import ckpt_train
+        kw = dict(steps=12, save_every=4, devices=2, dashboard=False,
+                  start_method="forkserver")
+        run = nbtrain.launch(ckpt_train, path={str(tmp_path / 'a')!r}, die_at=6,
+                             die_by="exit", max_restarts=1, **kw)
+        server = forkserver.running_pid()
+        print("exit:", run.status, len(run.attempts), "before returning" in
+              run.attempts[0].cause)
+        try:
+            nbtrain.launch(ckpt_train, path={str(tmp_path / 'b')!r}, die_at=6,
+                           die_by="raise", max_restarts=3, **kw)
+        except nbtrain.WorkerError as err:
+            print("raised:", err.exc_type, err.rank, len(nbtrain.last_run().attempts))
+        again = nbtrain.launch(ckpt_train, path={str(tmp_path / 'c')!r}, **kw)
+        print("server:", server is not None and forkserver.running_pid() == server,
+              again.status)
+        """, timeout=180)
+    assert reply.error is None, reply.error
+    out = reply.stdout
+    assert "exit: done 1 True" in out and "raised: ValueError 1 0" in out, out
+    assert "server: True done" in out, out
+
+
+@pytest.mark.kernel
 def test_in_a_kernel_a_rank_hung_in_a_collective_is_restarted(kernel_clean, tmp_path):
     """Rank 1 stops answering; rank 0's all-reduce times out (a group with a 3 s
     timeout): every rank of the attempt is ended and the next one finishes."""
