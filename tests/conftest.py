@@ -36,6 +36,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# Every process the tests start inherits this mark, so one that outlives its parent (and
+# is no longer a descendant: reparented to init) is still found: strays().
+MARK = "NBTRAIN_TESTS_SESSION"
+os.environ[MARK] = str(os.getpid())
+
+
+def strays() -> set[int]:
+    """Processes with this session's mark that are not under this process any more."""
+    mine = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
+    found = set()
+    for p in psutil.process_iter():
+        if p.pid in mine:
+            continue
+        try:
+            if p.environ().get(MARK) == os.environ[MARK] and p.status() != "zombie":
+                found.add(p.pid)
+        except psutil.Error:  # gone, or not ours to read
+            pass
+    return found
+
+
 def fork_server(p: psutil.Process) -> bool:
     """nbtrain's fork server, kept for the kernel's life by design (its workers are not)."""
     try:
@@ -66,14 +87,25 @@ def wait_no_descendants(pid: int, timeout: float = 5.0, ignore=()) -> list[psuti
 def no_leftovers():
     """Fails the test if a process it started is still alive (or a zombie) afterwards."""
     before = {p.pid for p in descendants(os.getpid())}
+    strays_before = strays()
     yield
     left = wait_no_descendants(os.getpid(), ignore=before)
+    deadline = time.monotonic() + 5
+    while (new := strays() - strays_before) and time.monotonic() < deadline:
+        time.sleep(0.1)  # orphans: their watch of a dead parent ends them within a second
+    for pid in new:
+        try:
+            left.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    described = []
     for p in left:  # clean up anyway, so one failure does not cascade
         try:
+            described.append((p.pid, p.status(), _cmd(p)))
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    assert not left, f"processes left behind: {[(p.pid, p.status(), _cmd(p)) for p in left]}"
+    assert not described, f"processes left behind (orphans included): {described}"
 
 
 @pytest.fixture(scope="module")

@@ -340,3 +340,30 @@ def test_a_torchrun_restart_goes_on_from_checkpoint_every(runner, tmp_path):
     assert restarted["first"] == 18 and whole["first"] == 0
     for name, value in whole["full"].items():
         torch.testing.assert_close(restarted["full"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_killing_nbtrain_run_leaves_no_rank(tmp_path):
+    """A notebook that SIGKILLs the `nbtrain run` it started (a subprocess's timeout)
+    kills torchrun's agent itself (`nbtrain run` becomes the agent: no middle process),
+    and the ranks, each in a session of its own, end when their agent is gone instead of
+    waiting in the job forever, as the OOM killer taking the agent would leave them."""
+    import psutil
+
+    command = subprocess.Popen(
+        [sys.executable, "-m", "nbtrain", "run", f"{TESTS / 'workloads.py'}:wait_forever",
+         f"folder={str(tmp_path)!r}", "--accelerator", "cpu", "--nproc-per-node", "2"],
+        env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("rank*.pid"))) < 2:
+        assert command.poll() is None and time.monotonic() < deadline, command.stderr.read()
+        time.sleep(0.1)
+    ranks = [psutil.Process(int(p.read_text())) for p in tmp_path.glob("rank*.pid")]
+    agent = psutil.Process(command.pid)
+    assert "torch.distributed.run" in " ".join(agent.cmdline())  # no middle process
+    assert all(r.ppid() == command.pid for r in ranks)
+    agent.kill()
+    command.wait(10)
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive, f"ranks left after their agent died: {[r.pid for r in alive]}"
+    said = command.stderr.read()  # the ranks wrote to the stderr they inherited
+    assert said.count(f"torchrun's agent (pid {command.pid}) is gone") == 2, said[-2000:]

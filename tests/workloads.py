@@ -617,3 +617,11 @@ def out_of_memory(ctx, rank=1):
                                      "free.")
     dist.barrier()
     return ctx.rank
+
+
+def wait_forever(ctx, folder):
+    """Writes this rank's pid into ``folder`` and waits, as a rank of a long job would."""
+    with open(os.path.join(folder, f"rank{ctx.rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        time.sleep(0.1)

@@ -18,7 +18,6 @@ import argparse
 import ast
 import importlib.util
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -101,10 +100,13 @@ def main(argv: list[str]) -> int:
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if options.attach:
         env["NBTRAIN_ATTACH"] = options.attach
-    try:
-        return subprocess.call(command, env=env)
-    except KeyboardInterrupt:  # torchrun got the interrupt too and ends its workers
-        return 130
+    # torchrun's agent takes this process's place: whoever started `nbtrain run` (a
+    # notebook's subprocess, a shell) holds the agent itself, so its interrupt or kill
+    # reaches the agent, whose ranks end with it (torchrun.end_with_agent), instead of a
+    # middle process whose death would leave the agent and its ranks running.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(command[0], command, env)
 
 
 def torchrun_command(mine: list[str], passed: list[str]) -> list[str]:

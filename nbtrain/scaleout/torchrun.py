@@ -122,6 +122,8 @@ class InProcessRank:
     def prepare(self, request: Request, plan: DevicePlan) -> Request:
         import torch.distributed as dist
 
+        if self.started_by == "torchrun":
+            end_with_agent(os.getppid(), self.rank)
         request.strategy.check(plan)  # before the group: a wrong strategy fails alone
         _join(plan, self.local_rank, self.pg_timeout)  # kept for a later launch()
         # One base seed and run id for the whole job, drawn on rank 0 (nbtrain.submit
@@ -207,6 +209,34 @@ def _gather_to_rank0(obj: Any, rank: int, world_size: int) -> list[Any] | None:
     if out is None:
         return None
     return [pickle.loads(t[:int(n)].numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
+
+
+_agent_watched: int | None = None
+
+
+def end_with_agent(agent: int, rank: int, every_s: float = 0.5) -> None:
+    """End this rank when torchrun's agent (its parent, ``agent``) is gone.
+
+    The agent starts each rank in a session of its own and ends them itself, unless it
+    is killed (a SIGKILL from a timeout, the OOM killer, a notebook ending the command):
+    then its ranks stay, waiting in the process group for peers that will not come (seen:
+    two ranks of a restarted attempt in gloo's connect for over an hour). A thread
+    notices the parent change and ends the process; ``PR_SET_PDEATHSIG`` would follow the
+    agent's thread that started the rank, not the agent.
+    """
+    global _agent_watched
+    if _agent_watched == agent or agent <= 1:  # watched already, or no parent to follow
+        return
+    _agent_watched = agent
+
+    def watch() -> None:
+        while os.getppid() == agent:
+            time.sleep(every_s)
+        print(f"nbtrain: rank {rank}: torchrun's agent (pid {agent}) is gone; ending this "
+              "rank.", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="nbtrain-agent-watch", daemon=True).start()
 
 
 def _join(plan: DevicePlan, local_rank: int, timeout_s: float) -> None:
