@@ -26,6 +26,9 @@ statistics of rank 0's slice, as DDP's (and nbtrain's FSDP's) broadcast from ran
 
 from __future__ import annotations
 
+import os
+import signal
+
 import torch
 from torch import nn
 
@@ -198,10 +201,11 @@ def _to(b: dict, device) -> dict:
 
 
 def fit(ctx, kind: str, steps: int = 3, meta: bool = False, save: str | None = None,
-        save_at: int | None = None):
+        save_at: int | None = None, every: int | None = None, die_at: int | None = None):
     """Train ``kind`` for ``steps`` steps; with ``ctx.resume_from``, go on from that
-    checkpoint. Returns the losses, the full state dict (rank 0) and this rank's norm
-    statistics."""
+    checkpoint. ``every``: ``ctx.checkpoint_every(every, save)`` instead, and rank 1 is
+    SIGKILLed at step ``die_at`` of a run that started from step 0. Returns the losses, the
+    full state dict (rank 0) and this rank's norm statistics."""
     # fp32 means fp32 here: cuDNN's convolutions run in TF32 by default on Ampere and
     # later (the CNN's first conv weight differed from the CPU reference by more than
     # 1e-4 on an H100), and the comparison is of the strategy, not of the arithmetic
@@ -216,11 +220,16 @@ def fit(ctx, kind: str, steps: int = 3, meta: bool = False, save: str | None = N
     opt = _optimizer(model)
     model, opt = ctx.setup(model, opt)
     start = 0
-    if ctx.resume_from:
+    if every:
+        start = ctx.checkpoint_every(every, save, model=model, optimizer=opt)["step"]
+    elif ctx.resume_from:
         state = ctx.load(ctx.resume_from, {"model": model, "optimizer": opt, "step": 0})
         start = state["step"] + 1
     losses = []
     for step in range(start, steps):
+        ctx.step = step
+        if step == die_at and start == 0 and ctx.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
         loss = loss_of(kind, model, _to(batch(kind, step, ctx.rank, ctx.world_size),
                                         ctx.device))
         ctx.backward(loss)

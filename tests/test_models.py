@@ -93,6 +93,19 @@ def test_a_checkpoint_saved_under_fsdp_goes_on_under_ddp(kind, references, tmp_p
     assert saved.status == "done"
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "cnn"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_restart_from_checkpoint_every_trains_as_one_process(kind, strategy, references,
+                                                               tmp_path):
+    """GPT-2 (tied embeddings) and a BatchNorm ResNet, saved by ctx.checkpoint_every after
+    each step, rank 1 SIGKILLed at step 2: the restart goes on from step 2 and ends with
+    one process's weights, losses and running statistics."""
+    run = launch(kind, strategy, save=str(tmp_path / "ck"), every=1, die_at=2,
+                 max_restarts=1)
+    assert len(run.attempts) == 1 and "SIGKILL" in run.attempts[0].cause
+    check(run, references[kind], kind, f"restarted under {strategy}", first_step=2)
+
+
 @pytest.mark.parametrize("kind", ALL)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_bf16_trains_close_to_fp32(kind, strategy, references):
