@@ -9,8 +9,8 @@ rank's own, so each rank writes them under a key of its own.
 
 When the launch goes on from a checkpoint (a restart under ``max_restarts``,
 ``launch(resume=...)``, or torchrun's agent starting the ranks again, which finds it in
-``checkpoint_every``'s own directory), it is loaded before training starts: the models and optimizers
-in place, the step, the loader's position (the epochs already done yield nothing, the
+``checkpoint_every``'s own directory), it is loaded before training starts: the models
+and optimizers in place, the step, the loader's position (the epochs already done yield nothing, the
 next one starts at the saved batch, without loading the batches before it), and, at the
 first step boundary, the random streams. Losses after a restart are then an
 uninterrupted run's, on the same number of ranks; not replayed exactly: random
@@ -78,9 +78,9 @@ def set_random_streams(streams: dict[str, Any], device: torch.device) -> None:
 class Checkpointer:
     """What ``ctx.checkpoint_every`` set up on this rank.
 
-    ``save(path, state)`` and ``load(path, state)`` are ctx's; ``steps_done()`` counts
-    the steps (ctx's); ``loader`` is the ``ctx.dataloader`` whose position is kept (None
-    in a hand-written loop).
+    ``save(path, state)`` and ``load(path, state)`` are ctx's; ``loader`` is the
+    ``ctx.dataloader`` whose position is kept and whose batches are the steps (None in a
+    hand-written loop, where ``ctx.step`` says them).
     """
 
     def __init__(self, every: int, path: str, state: dict[str, Any], rank: int,
@@ -90,7 +90,7 @@ class Checkpointer:
         self._save, self._load = save, load
         self.loader: DeviceLoader | None = None
         self.start = 0  # the steps done when this attempt began
-        self._saved_at = -1
+        self._saved_at = 0  # the steps done at the last save (or the resume)
         self._streams: dict[str, Any] | None = None  # to set at the first boundary
         self._position: tuple[int, int] | None = None  # the loader's, to go on from
 
@@ -152,10 +152,7 @@ class Checkpointer:
 
     # -- step boundaries -----------------------------------------------------------------
     def _fetching(self, loader: DeviceLoader) -> None:
-        self.boundary(self._steps(loader))
-
-    def _steps(self, loader: DeviceLoader) -> int:
-        return self.start + loader.handed_out
+        self.boundary(self.start + loader.handed_out)
 
     def step_set(self, value: int) -> None:
         """``ctx.step = value`` in a loop without ``ctx.dataloader``: ``value`` steps done."""
@@ -166,7 +163,7 @@ class Checkpointer:
         if self._streams is not None:  # the first boundary after a resume: the streams
             set_random_streams(self._streams, self.device)  # as they were at the save
             self._streams = None
-        if done > self._saved_at and done % self.every == 0 and done > self.start:
+        if done > self._saved_at and done % self.every == 0:
             self.save(done)
 
     def save(self, done: int) -> None:
