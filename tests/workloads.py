@@ -621,7 +621,9 @@ def out_of_memory(ctx, rank=1):
 
 def wait_forever(ctx, folder):
     """Writes this rank's pid into ``folder`` and waits, as a rank of a long job would."""
-    with open(os.path.join(folder, f"rank{ctx.rank}.pid"), "w") as f:
+    path = os.path.join(folder, f"rank{ctx.rank}.pid")
+    with open(path + ".tmp", "w") as f:
         f.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)  # whole when it appears: the test reads it at once
     while True:
         time.sleep(0.1)
