@@ -16,6 +16,13 @@ display update would have. It reaches the notebook through the widget manager's
 document context (JupyterLab, Notebook 7), or through the classic Notebook's
 ``Jupyter.notebook`` (Notebook 6, with ipywidgets 7); where there is neither it does
 nothing and the handle's update is all there is. The keeper holds the last ``KEEP`` slots' outputs.
+
+A widget shown as a ``KeptDisplay`` (the picker, a run's live view) names a model that
+lives in the kernel. When that kernel restarts, dies or is shut down, the keeper's module
+in each open page retires the output: its model id emptied, which the widget renderer
+draws as nothing, in the page and in the file saved from it. Its static twin then stands
+alone, where before the page (and the reopened notebook) said "Error displaying widget:
+model not found" wherever the twin's CSS did not apply (a browser without ``:has()``).
 """
 
 from __future__ import annotations
@@ -79,12 +86,46 @@ async function apply(model) {
     }
   }
 }
+// A widget output of nbtrain (marked by its metadata) names a model that lives in the
+// kernel. Once that kernel restarts, dies or is shut down, the output is retired: its
+// model id emptied, which the widget renderer draws as nothing, in this page and in the
+// file saved from it, whatever the browser's CSS ("model not found" otherwise). The
+// static outputs after it (the picker's twin, a run's snapshot) then stand alone.
+const WIDGET = "application/vnd.jupyter.widget-view+json";
+const GONE = ["restarting", "autorestarting", "dead"];
+function retire(context) {
+  const cells = context.model && context.model.cells;
+  if (!cells) return;
+  for (let c = 0; c < cells.length; c++) {
+    const outputs = cells.get(c).outputs;
+    if (!outputs) continue;
+    for (let i = 0; i < outputs.length; i++) {
+      const output = outputs.get(i);
+      const view = output && output.data && output.data[WIDGET];
+      if (view && view.model_id && ((output.metadata || {})[KEY])) {
+        outputs.set(i, {output_type: "display_data", metadata: output.metadata,
+                        data: {[WIDGET]: {...view, model_id: ""}, "text/plain": ""}});
+      }
+    }
+  }
+}
+const WATCHED = Symbol.for("nbtrain.retire");
+function watch(model) {
+  const context = model.widget_manager && model.widget_manager.context;
+  const session = context && context.sessionContext;
+  if (!session || !session.statusChanged || session[WATCHED]) return;
+  session[WATCHED] = true;  // once per page and notebook, whatever the kernels since
+  const check = (_, status) => { if (GONE.includes(status)) retire(context); };
+  session.statusChanged.connect(check);
+  session.kernelChanged.connect(() => retire(context));
+}
 export default {
   initialize({ model }) {
     const run = () => apply(model).catch(
       (err) => console.warn("nbtrain: could not bring an output up to date:", err));
     run();
     model.on("change:outputs", run);
+    watch(model);
   },
 };
 """
@@ -144,6 +185,8 @@ class KeptDisplay:
     def __init__(self, obj, raw: bool = False):
         self.slot = uuid.uuid4().hex
         self.version = 0
+        if not raw:  # a widget: the keeper's module, in each page, retires it with the kernel
+            keeper()
         self.handle = show(obj, raw=raw, metadata=self._metadata())
 
     def _metadata(self) -> dict:

@@ -31,7 +31,8 @@ PRECISIONS = [("fp32", "fp32"), ("bf16 mixed", "bf16"), ("fp16 mixed", "fp16")]
 # gone ("model not found"). Its outputs after the widget are a static twin (what ran, the
 # last run's charts and the comparison, updated after each run); while the picker
 # renders, this style hides the twin, and where the widget cannot render, it hides the
-# widget's error instead.
+# widget's error instead. A page open when the kernel goes retires the widget's output
+# (keeper.py), so the file saved from it has no error to hide.
 TWIN_STYLE = twin_style("nbtrain-picker", "nbtrain-twin")
 
 
@@ -112,10 +113,11 @@ class StrategyPicker:
         self._describe()
         self._handles = None
         if display:
-            from .keeper import KeptDisplay, show  # anywidget, with the widgets (not on import)
+            from .keeper import KeptDisplay  # anywidget, with the widgets (not on import)
 
-            # the static twin: see TWIN_STYLE
-            self._handles = (show(self.widget), *(KeptDisplay(bundle, raw=True)
+            # the static twin: see TWIN_STYLE; the widget's output is retired with the
+            # kernel (keeper.py)
+            self._handles = (KeptDisplay(self.widget), *(KeptDisplay(bundle, raw=True)
                                                   for bundle in self.static_bundles()))
             mark_shown(self)
 
@@ -286,10 +288,10 @@ class StrategyPicker:
         return first, chart, (bundles[1] if len(bundles) > 1 else empty)
 
     def _ipython_display_(self) -> None:
-        from IPython.display import display as show
+        from .keeper import KeptDisplay
 
         if not shown_here(self):
-            show(self.widget)
+            KeptDisplay(self.widget)
 
     def __repr__(self) -> str:
         return (f"<StrategyPicker {getattr(self.fn, '__name__', 'fn')} "

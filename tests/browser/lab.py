@@ -123,7 +123,7 @@ APP = "window.jupyterapp"  # both apps expose themselves under this name
 
 def open_notebook(page, url: str) -> None:
     page.goto(url, timeout=60_000)
-    page.wait_for_selector(".jp-Notebook .jp-CodeCell .cm-content", timeout=60_000)
+    page.wait_for_selector(".jp-Notebook .jp-CodeCell :is(.cm-content, .CodeMirror)", timeout=60_000)
     page.wait_for_function(
         f"() => {APP} && {APP}.shell.currentWidget && "
         f"{APP}.shell.currentWidget.sessionContext && "
