@@ -89,8 +89,8 @@ def test_ddp_compression_hooks_train_on_nccl(hook):
 
 
 def test_the_time_breakdown_comes_from_a_gpu_run_without_breaking_it():
-    """The host's view on a GPU (CUDA events are not used yet): every step has its
-    phases, none negative, and together no longer than the step."""
+    """Every step of a GPU run has its phases (from CUDA events), none negative, and
+    together no longer than the step."""
     run = nbtrain.launch(train, devices=_ranks(), accelerator="cuda")
     steps = run.history.events("step", 0)
     assert steps and all(set(e.phases) >= {"forward", "backward", "optimizer", "comm"}
@@ -98,6 +98,21 @@ def test_the_time_breakdown_comes_from_a_gpu_run_without_breaking_it():
     assert all(min(e.phases.values()) >= 0 and sum(e.phases.values()) <= e.duration * 1.01
                for e in steps)
     assert "where a step's" in str(run.summary())
+
+
+def test_a_gpu_steps_phases_are_the_devices_time_not_the_hosts():
+    """Large matmuls the host queues in microseconds and waits for at ``.item()``: the
+    host's view would put the step in "other"; the CUDA events put it in forward,
+    backward and the optimizer, where the device spent it."""
+    from workloads import device_bound
+
+    run = nbtrain.launch(device_bound, devices=1, accelerator="cuda", dashboard=False)
+    steps = run.history.events("step", 0)[1:]  # the first: cuBLAS's warm-up
+    assert len(steps) >= 4, steps
+    for e in steps:
+        work = e.phases["forward"] + e.phases["backward"] + e.phases["optimizer"]
+        assert work > 0.5 * e.duration and e.phases["backward"] > e.phases["forward"], e
+        assert sum(e.phases.values()) <= e.duration * 1.01, e
 
 
 @two_gpus

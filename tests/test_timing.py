@@ -212,3 +212,183 @@ def test_a_clock_left_installed_does_not_stack_under_the_next():
         assert work.wait is original
     finally:
         work.wait = original
+
+
+# -- a CUDA rank's clock (DeviceStepClock), on the CPU with fake events ------------------
+class FakeDevice:
+    """A device's clock (milliseconds) that the test moves, and events recorded on it
+    that complete when the test says the device got that far."""
+
+    def __init__(self):
+        self.now = 0.0  # where the stream is when an event is recorded
+        self.done = 0.0  # how far the device has run
+        self.synced = 0
+
+    def event(self):
+        device = self
+
+        class Event:
+            at = None
+
+            def record(self):
+                self.at = device.now
+
+            def query(self):
+                return self.at is None or self.at <= device.done
+
+            def synchronize(self):
+                device.synced += 1
+                device.done = max(device.done, self.at)
+
+            def elapsed_time(self, end):
+                if not (self.query() and end.query()):
+                    raise RuntimeError("event not complete")
+                return end.at - self.at
+
+        return Event()
+
+
+class FakeEngine:
+    def __init__(self):
+        self.callbacks = []
+
+    def queue_callback(self, fn):
+        self.callbacks.append(fn)
+
+
+def _device_step(clock, device, model, engine):
+    """One step through the clock's hooks in the order a DDP step passes them, the device
+    spending: forward 5 ms (2 of them waiting on a collective), backward 10, the final
+    callbacks' wait 3, the optimizer 4."""
+    x = torch.ones(2, 4)
+    clock._forward_start(model, (x,))
+    device.now += 1
+    clock._wait_begins()
+    device.now += 2
+    clock._wait_ends()
+    device.now += 2
+    out = model(x)
+    clock._forward_end(model, (x,), out)
+    clock._backward_start(torch.ones(2, 4))
+    device.now += 10
+    engine.callbacks.pop(0)()  # backward's end, which queues the final one
+    device.now += 3
+    engine.callbacks.pop(0)()
+    clock._optimizer_start(None, (), {})
+    device.now += 4
+    clock._optimizer_end(None, (), {})
+
+
+def test_a_cuda_ranks_phases_come_from_its_events_read_once_complete():
+    from nbtrain.telemetry.timing import DeviceStepClock
+
+    device, engine = FakeDevice(), FakeEngine()
+    clock = DeviceStepClock(event=device.event)
+    clock._engine = engine
+    model = nn.Linear(4, 4)
+    _device_step(clock, device, model, engine)
+    first = Step(rank=0, step=0, t=1.0, duration=0.05)
+    # the device has not run the step yet: its Step waits, and no sync is made for it
+    assert clock.close(first, 0.05) == [] and device.synced == 0
+    _device_step(clock, device, model, engine)
+    device.done = device.now  # the device caught up: both steps go, in order
+    second = Step(rank=0, step=1, t=2.0, duration=0.04)
+    ready = clock.close(second, 0.04)
+    assert [s.step for s in ready] == [0, 1]
+    phases = ready[0].phases
+    assert phases["forward"] == pytest.approx(0.003)  # its wait is comm's
+    assert phases["backward"] == pytest.approx(0.010)
+    assert phases["optimizer"] == pytest.approx(0.004)
+    assert phases["comm"] == pytest.approx(0.005)
+    assert phases["other"] == pytest.approx(0.05 - 0.022)
+    assert ready[1].phases["other"] == pytest.approx(0.04 - 0.022)
+    # the run's end: what is held is read, after waiting for its events
+    _device_step(clock, device, model, engine)
+    assert clock.close(Step(rank=0, step=2, t=3.0, duration=0.03), 0.03) == []
+    (last,) = clock.flush()
+    assert last.step == 2 and last.phases["backward"] == pytest.approx(0.010)
+    assert device.synced > 0
+
+
+def test_a_device_far_behind_gets_host_times_rather_than_a_sync():
+    from nbtrain.telemetry import timing
+
+    device, engine = FakeDevice(), FakeEngine()
+    clock = timing.DeviceStepClock(event=device.event)
+    clock._engine = engine
+    model = nn.Linear(4, 4)
+    sent = []
+    for i in range(timing.HOLD + 3):
+        _device_step(clock, device, model, engine)
+        sent += clock.close(Step(rank=0, step=i, t=float(i), duration=0.05), 0.05)
+    assert [s.step for s in sent] == [0, 1, 2] and device.synced == 0
+    assert all(set(s.phases) == set(PHASES) for s in sent)
+
+
+def test_a_cuda_clock_follows_a_real_step(monkeypatch):
+    """The device clock's marks in a real training step (gloo, one process), with events
+    that read the host's clock: the phases agree with the host clock's."""
+    from nbtrain.telemetry.timing import DeviceStepClock
+
+    class HostEvent:
+        def record(self):
+            self.at = time.monotonic()
+
+        def query(self):
+            return True
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1000
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    clock = DeviceStepClock(event=HostEvent)
+    hosts = []  # what the host clock measured of each step, beside
+    take = clock.take
+    clock.take = lambda duration: hosts.append(take(duration)) or hosts[-1]
+    try:
+        clock.install_waits()
+        model = nn.parallel.DistributedDataParallel(wide_mlp(256, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        clock.watch(model, [opt])
+        x = torch.randn(64, 256)
+        for i in range(3):
+            started = time.monotonic()
+            model(x).pow(2).mean().backward()
+            dist.all_reduce(torch.ones(100_000))  # a wait in "other": comm only
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.01)
+            duration = time.monotonic() - started
+            (step,) = clock.close(Step(rank=0, step=i, t=float(i), duration=duration),
+                                  duration)
+    finally:
+        clock.uninstall()
+        dist.destroy_process_group()
+    phases = step.phases
+    assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
+    assert phases["comm"] > 0 and phases["other"] >= 0.01
+    assert sum(phases.values()) == pytest.approx(duration, rel=1e-3)
+    for name in PHASES:
+        assert phases[name] == pytest.approx(hosts[-1][name], abs=1e-3), (phases, hosts)
+
+
+def test_device_time_beyond_the_hosts_window_is_split_within_it():
+    """A loop that syncs only in the next step (its optimizer step ends the window) gives
+    a window shorter than the device's work for the step: the device's split, in the
+    window's length."""
+    from nbtrain.telemetry.timing import DeviceStepClock
+
+    device, engine = FakeDevice(), FakeEngine()
+    clock = DeviceStepClock(event=device.event)
+    clock._engine = engine
+    _device_step(clock, device, nn.Linear(4, 4), engine)
+    device.done = device.now
+    (step,) = clock.close(Step(rank=0, step=0, t=1.0, duration=0.011), 0.011)
+    assert sum(step.phases.values()) == pytest.approx(0.011, abs=1e-5)
+    assert step.phases["other"] == 0
+    assert step.phases["backward"] == pytest.approx(0.005, abs=1e-5)  # 10 of 22 ms

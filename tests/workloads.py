@@ -627,3 +627,19 @@ def wait_forever(ctx, folder):
     os.rename(path + ".tmp", path)  # whole when it appears: the test reads it at once
     while True:
         time.sleep(0.1)
+
+
+def device_bound(ctx, steps=6, width=4096, depth=8, batch=8192):
+    """Steps whose time is the GPU's: large matmuls queued in microseconds, read back
+    (``.item()``) only at the end of each step, in the user's own code."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+    model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=1e-6))
+    x = torch.randn(batch, width, device=ctx.device)
+    for _ in range(steps):
+        loss = model(x).pow(2).mean()
+        ctx.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        loss.item()
+    return steps

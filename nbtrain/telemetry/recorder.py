@@ -23,7 +23,7 @@ from .probes import (
     memory_by_category,
 )
 from .settings import Telemetry
-from .timing import StepClock
+from .timing import DeviceStepClock, StepClock
 
 METRIC_BATCH = 16  # ctx.log calls whose accelerator tensors are read back together
 
@@ -37,7 +37,9 @@ class Recorder:
         self.settings = settings
         # where each step's time goes; installed first, so that its optimizer post-hook
         # closes the optimizer phase before the step's boundary reads it
-        self.clock = StepClock() if settings.timing else None
+        self.clock = None
+        if settings.timing:
+            self.clock = DeviceStepClock() if device.type == "cuda" else StepClock()
         if self.clock is not None:
             self.clock.install_waits()
         self.comm = CommCounter() if settings.comm else None
@@ -153,11 +155,12 @@ class Recorder:
         if self._last is None:
             return
         duration = now - self._last
-        self.client.send(Step(rank=self.rank, step=self._step, t=now,
-                              duration=duration, samples=self._samples,
-                              epoch=self._epoch[0], epoch_steps=self._epoch[1],
-                              total_steps=self.total_steps,
-                              phases=self.clock.take(duration) if self.clock else {}))
+        step = Step(rank=self.rank, step=self._step, t=now, duration=duration,
+                    samples=self._samples, epoch=self._epoch[0], epoch_steps=self._epoch[1],
+                    total_steps=self.total_steps)
+        # with the breakdown, once known (a CUDA rank's, when its events have completed)
+        for ready in self.clock.close(step, duration) if self.clock else [step]:
+            self.client.send(ready)
         if self.comm:
             counts, sizes = self.comm.take()
             buckets = self._ddp.take() if self._ddp is not None else []
@@ -247,4 +250,6 @@ class Recorder:
         if self.comm:
             self.comm.uninstall()
         if self.clock is not None:
+            for step in self.clock.flush():  # a CUDA rank's last steps, their events read
+                self.client.send(step)
             self.clock.uninstall()

@@ -20,16 +20,25 @@ step passes, on the rank's own clock (CPU ranks; on a GPU these are host times, 
 - **other**: the rest of the step (the user's own code: the loss, logging, ``zero_grad``).
 
 Costs a few Python calls per forward, backward and optimizer step, and one per wait on a
-collective; no device synchronisation. On a GPU a wait on a collective returns at once
-(the stream waits, not the host), so the breakdown there is the host's view: forward and
-backward are the time to *queue* the work, and the wait shows up where the host first
-syncs (the optimizer step, or ``.item()`` in other).
+collective; no device synchronisation.
+
+On a GPU the host only queues the work, and a wait on a collective returns at once (the
+stream waits, not the host), so host times would say little. ``DeviceStepClock`` marks
+the same points with CUDA events on the stream that runs them (the current stream: the
+default one, where DDP's finalize and FSDP's waits make the compute wait for the NCCL
+streams), so each phase is the device's time between its marks, and a wait on a
+collective is the time the compute stream stood still at it. A step's events are read
+once they have completed (``Event.query``), a step or two later, never by a device sync;
+its Step event waits for them (``close``), and the last ones are read at the end.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -85,10 +94,12 @@ class StepClock:
 
             def wait(self, *args, **kwargs):
                 t = time.monotonic()
+                clock._wait_begins()
                 try:
                     return original(self, *args, **kwargs)
                 finally:
                     clock._waited += time.monotonic() - t
+                    clock._wait_ends()
 
             wait.nbtrain_original = original
             try:
@@ -157,7 +168,21 @@ class StepClock:
         started, waited = at
         self._acc[phase] += (time.monotonic() - started) - (self._waited - waited)
 
+    def _wait_begins(self) -> None:
+        """A wait on a collective starts (the device clock marks it)."""
+
+    def _wait_ends(self) -> None:
+        """It ended."""
+
     # -- one step ------------------------------------------------------------------------
+    def close(self, step, duration: float) -> list:
+        """``step`` (a Step event) with its phases, ready to send: here at once."""
+        return [replace(step, phases=self.take(duration))]
+
+    def flush(self) -> list:
+        """Steps still held (none here)."""
+        return []
+
     def take(self, duration: float) -> dict[str, float]:
         """The phases of a step that lasted ``duration`` seconds (``other``: the rest),
         and start the next step's."""
@@ -169,6 +194,145 @@ class StepClock:
                 setattr(self, name, (at[0], at[1] - acc["comm"]))
         acc["other"] = max(0.0, duration - sum(acc.values()))
         return {k: round(v, 6) for k, v in acc.items()}
+
+
+HOLD = 32  # steps whose events a device clock waits for; older ones go with host times
+
+
+class DeviceStepClock(StepClock):
+    """The phases of a CUDA rank's steps from CUDA events (see the module): forward,
+    backward and optimizer are the device's time between their marks, less the waits on
+    collectives inside them; comm is those waits plus the final callbacks' wait for the
+    gradients' communication; data is the host's (the loader runs there); other is the
+    rest of the step. ``event`` makes a timing event (a fake in tests)."""
+
+    def __init__(self, event: Callable[[], Any] | None = None):
+        super().__init__()
+        self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._marks: list = []  # this step's events, in the order recorded
+        self._spans: list[tuple[str, int, int]] = []  # (phase, first mark, last mark)
+        self._open: dict[str, int] = {}  # phase -> its first mark, while open
+        self._held: deque = deque()  # (step, duration, host phases, marks, spans)
+        self._free: list = []  # events read, to record again
+
+    def _mark(self) -> int:
+        event = self._free.pop() if self._free else self._event()
+        event.record()
+        self._marks.append(event)
+        return len(self._marks) - 1
+
+    def _begin(self, phase: str) -> None:
+        if phase not in self._open:
+            self._open[phase] = self._mark()
+
+    def _end(self, phase: str) -> None:
+        first = self._open.pop(phase, None)
+        if first is not None:
+            self._spans.append((phase, first, self._mark()))
+
+    # the points the host clock passes, marked on the device too
+    def _forward_start(self, module, args) -> None:
+        super()._forward_start(module, args)
+        self._begin("forward")
+
+    def _forward_end(self, module, args, output) -> None:
+        self._end("forward")
+        super()._forward_end(module, args, output)
+
+    def _backward_start(self, grad):
+        if self._backward_at is None:
+            self._begin("backward")
+        return super()._backward_start(grad)
+
+    def _backward_end(self) -> None:
+        if self._backward_at is not None:
+            self._end("backward")
+            self._begin("final")
+        super()._backward_end()
+
+    def _final_end(self) -> None:
+        super()._final_end()
+        self._end("final")
+
+    def _optimizer_start(self, optimizer, args, kwargs) -> None:
+        self._begin("optimizer")
+        super()._optimizer_start(optimizer, args, kwargs)
+
+    def _optimizer_end(self, optimizer, args, kwargs) -> None:
+        super()._optimizer_end(optimizer, args, kwargs)
+        self._end("optimizer")
+
+    def _wait_begins(self) -> None:
+        if "final" not in self._open:  # inside the final callbacks: already comm
+            self._begin("wait")
+
+    def _wait_ends(self) -> None:
+        self._end("wait")
+
+    # -- steps -----------------------------------------------------------------------------
+    def close(self, step, duration: float) -> list:
+        host = self.take(duration)
+        still_open = list(self._open)
+        for phase in still_open:  # a phase across the boundary: split at it
+            self._end(phase)
+        marks, spans = self._marks, self._spans
+        self._marks, self._spans = [], []
+        for phase in still_open:
+            self._begin(phase)
+        self._held.append((step, duration, host, marks, spans))
+        return self._release(wait=False)
+
+    def flush(self) -> list:
+        """The steps still held, their events waited for (the run's end)."""
+        return self._release(wait=True)
+
+    def _release(self, wait: bool) -> list:
+        ready = []
+        while self._held:
+            step, duration, host, marks, spans = self._held[0]
+            if not (wait or all(m.query() for m in marks)):
+                if len(self._held) <= HOLD:
+                    break
+                phases = host  # the device is far behind: this step's host times
+            else:
+                try:
+                    for m in marks if wait else ():
+                        m.synchronize()
+                    phases = _device_phases(marks, spans, duration, host["data"])
+                    self._free.extend(marks)
+                except RuntimeError:  # a device in error (the run is failing): host times
+                    phases = host
+            self._held.popleft()
+            ready.append(replace(step, phases=phases))
+        return ready
+
+
+def _device_phases(marks: list, spans: list[tuple[str, int, int]], duration: float,
+                   data: float) -> dict[str, float]:
+    """Seconds per phase from a step's events: each span's device time, less the waits
+    inside it; waits and the final callbacks are comm."""
+    acc = dict.fromkeys(PHASES, 0.0)
+    acc["data"] = data
+    if marks:
+        at = [0.0] + [marks[0].elapsed_time(m) / 1000 for m in marks[1:]]
+        waits = [(a, b) for phase, a, b in spans if phase in ("wait", "final")]
+        for phase, a, b in spans:
+            seconds = at[b] - at[a]
+            if phase in ("wait", "final"):
+                acc["comm"] += seconds
+                continue
+            seconds -= sum(at[d] - at[c] for c, d in waits if a < c and d < b)
+            acc[phase] += max(0.0, seconds)
+    device = sum(acc.values()) - data
+    room = max(0.0, duration - data)
+    if device > room > 0:
+        # The step is the host's window between two boundaries; the device ran this
+        # step's work partly after it (a loop that syncs only in the next step, before
+        # its optimizer step ends it). The device's split, in the window's length.
+        for phase in ("forward", "backward", "optimizer", "comm"):
+            acc[phase] *= room / device
+    acc["other"] = max(0.0, duration - sum(acc.values()))
+    return {k: round(v, 6) for k, v in acc.items()}
 
 
 def _tensors(output, depth: int = 0):
@@ -184,4 +348,4 @@ def _tensors(output, depth: int = 0):
             yield from _tensors(o, depth + 1)
 
 
-__all__ = ["PHASES", "StepClock"]
+__all__ = ["PHASES", "DeviceStepClock", "StepClock"]
