@@ -392,3 +392,22 @@ def test_device_time_beyond_the_hosts_window_is_split_within_it():
     assert sum(step.phases.values()) == pytest.approx(0.011, abs=1e-5)
     assert step.phases["other"] == 0
     assert step.phases["backward"] == pytest.approx(0.005, abs=1e-5)  # 10 of 22 ms
+
+
+def test_a_device_clock_whose_events_fail_falls_back_to_host_times():
+    """Recording an event fails (no usable CUDA after all): the step trains on, and the
+    breakdown is the host's."""
+    from nbtrain.telemetry.timing import DeviceStepClock
+
+    def broken():
+        raise RuntimeError("CUDA error: no CUDA-capable device is detected")
+
+    engine = FakeEngine()
+    clock = DeviceStepClock(event=broken)
+    clock._engine = engine
+    model = nn.Linear(4, 4)
+    x = torch.ones(2, 4)
+    clock._forward_start(model, (x,))
+    clock._forward_end(model, (x,), model(x))
+    (step,) = clock.close(Step(rank=0, step=0, t=1.0, duration=0.05), 0.05)
+    assert step.phases["forward"] > 0 and set(step.phases) == set(PHASES)

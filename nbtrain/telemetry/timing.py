@@ -214,21 +214,30 @@ class DeviceStepClock(StepClock):
         self._open: dict[str, int] = {}  # phase -> its first mark, while open
         self._held: deque = deque()  # (step, duration, host phases, marks, spans)
         self._free: list = []  # events read, to record again
+        self._off = False  # recording an event failed: host times from then on
 
-    def _mark(self) -> int:
-        event = self._free.pop() if self._free else self._event()
-        event.record()
+    def _mark(self) -> int | None:
+        try:
+            event = self._free.pop() if self._free else self._event()
+            event.record()
+        except RuntimeError:  # no events here after all: host times, never a failed step
+            self._off = True
+            return None
         self._marks.append(event)
         return len(self._marks) - 1
 
     def _begin(self, phase: str) -> None:
-        if phase not in self._open:
-            self._open[phase] = self._mark()
+        if phase not in self._open and not self._off:
+            at = self._mark()
+            if at is not None:
+                self._open[phase] = at
 
     def _end(self, phase: str) -> None:
         first = self._open.pop(phase, None)
         if first is not None:
-            self._spans.append((phase, first, self._mark()))
+            last = self._mark()
+            if last is not None:
+                self._spans.append((phase, first, last))
 
     # the points the host clock passes, marked on the device too
     def _forward_start(self, module, args) -> None:
@@ -290,7 +299,9 @@ class DeviceStepClock(StepClock):
         ready = []
         while self._held:
             step, duration, host, marks, spans = self._held[0]
-            if not (wait or all(m.query() for m in marks)):
+            if self._off:
+                phases = host
+            elif not (wait or all(m.query() for m in marks)):
                 if len(self._held) <= HOLD:
                     break
                 phases = host  # the device is far behind: this step's host times
