@@ -223,6 +223,10 @@ class FakeDevice:
         self.now = 0.0  # where the stream is when an event is recorded
         self.done = 0.0  # how far the device has run
         self.synced = 0
+        self.current = "compute"  # the stream work is queued on
+
+    def stream(self):
+        return self.current
 
     def event(self):
         device = self
@@ -283,7 +287,7 @@ def test_a_cuda_ranks_phases_come_from_its_events_read_once_complete():
     from nbtrain.telemetry.timing import DeviceStepClock
 
     device, engine = FakeDevice(), FakeEngine()
-    clock = DeviceStepClock(event=device.event)
+    clock = DeviceStepClock(event=device.event, stream=device.stream)
     clock._engine = engine
     model = nn.Linear(4, 4)
     _device_step(clock, device, model, engine)
@@ -314,7 +318,7 @@ def test_a_device_far_behind_gets_host_times_rather_than_a_sync():
     from nbtrain.telemetry import timing
 
     device, engine = FakeDevice(), FakeEngine()
-    clock = timing.DeviceStepClock(event=device.event)
+    clock = timing.DeviceStepClock(event=device.event, stream=device.stream)
     clock._engine = engine
     model = nn.Linear(4, 4)
     sent = []
@@ -384,7 +388,7 @@ def test_device_time_beyond_the_hosts_window_is_split_within_it():
     from nbtrain.telemetry.timing import DeviceStepClock
 
     device, engine = FakeDevice(), FakeEngine()
-    clock = DeviceStepClock(event=device.event)
+    clock = DeviceStepClock(event=device.event, stream=device.stream)
     clock._engine = engine
     _device_step(clock, device, nn.Linear(4, 4), engine)
     device.done = device.now
@@ -411,3 +415,26 @@ def test_a_device_clock_whose_events_fail_falls_back_to_host_times():
     clock._forward_end(model, (x,), model(x))
     (step,) = clock.close(Step(rank=0, step=0, t=1.0, duration=0.05), 0.05)
     assert step.phases["forward"] > 0 and set(step.phases) == set(PHASES)
+
+
+def test_a_wait_on_a_side_stream_is_not_the_computes():
+    """FSDP waits for its all-gathers on its own stream: that stream stands still, not the
+    compute, so the wait is neither comm nor taken out of forward."""
+    from nbtrain.telemetry.timing import DeviceStepClock
+
+    device = FakeDevice()
+    clock = DeviceStepClock(event=device.event, stream=device.stream)
+    model = nn.Linear(4, 4)
+    x = torch.ones(2, 4)
+    clock._forward_start(model, (x,))
+    device.now += 1
+    device.current = "all-gather"
+    clock._wait_begins()
+    device.now += 2
+    clock._wait_ends()
+    device.current = "compute"
+    device.now += 2
+    clock._forward_end(model, (x,), model(x))
+    device.done = device.now
+    (step,) = clock.close(Step(rank=0, step=0, t=1.0, duration=0.01), 0.01)
+    assert step.phases["forward"] == pytest.approx(0.005) and step.phases["comm"] == 0

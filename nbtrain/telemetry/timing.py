@@ -27,7 +27,9 @@ stream waits, not the host), so host times would say little. ``DeviceStepClock``
 the same points with CUDA events on the stream that runs them (the current stream: the
 default one, where DDP's finalize and FSDP's waits make the compute wait for the NCCL
 streams), so each phase is the device's time between its marks, and a wait on a
-collective is the time the compute stream stood still at it. A step's events are read
+collective is the time the compute stream stood still at it (FSDP's all-gathers are
+waited for on their own stream; the compute's wait for them is a ``wait_event`` no hook
+sees, so a late prefetch counts in forward or backward). A step's events are read
 once they have completed (``Event.query``), a step or two later, never by a device sync;
 its Step event waits for them (``close``), and the last ones are read at the end.
 """
@@ -206,15 +208,26 @@ class DeviceStepClock(StepClock):
     gradients' communication; data is the host's (the loader runs there); other is the
     rest of the step. ``event`` makes a timing event (a fake in tests)."""
 
-    def __init__(self, event: Callable[[], Any] | None = None):
+    def __init__(self, event: Callable[[], Any] | None = None,
+                 stream: Callable[[], Any] | None = None):
         super().__init__()
         self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._stream = stream or torch.cuda.current_stream
+        self._compute = None  # the stream the forward runs on
+        self._waits: list[bool] = []  # per wait in progress: marked (on the compute stream)
         self._marks: list = []  # this step's events, in the order recorded
         self._spans: list[tuple[str, int, int]] = []  # (phase, first mark, last mark)
         self._open: dict[str, int] = {}  # phase -> its first mark, while open
         self._held: deque = deque()  # (step, duration, host phases, marks, spans)
         self._free: list = []  # events read, to record again
         self._off = False  # recording an event failed: host times from then on
+
+    def _current(self):
+        """The stream work is queued on now (None where it cannot be told)."""
+        try:
+            return self._stream()
+        except Exception:  # noqa: BLE001 - a telemetry probe never fails the step
+            return None
 
     def _mark(self) -> int | None:
         try:
@@ -242,6 +255,8 @@ class DeviceStepClock(StepClock):
     # the points the host clock passes, marked on the device too
     def _forward_start(self, module, args) -> None:
         super()._forward_start(module, args)
+        if self._compute is None and not self._off:
+            self._compute = self._current()
         self._begin("forward")
 
     def _forward_end(self, module, args, output) -> None:
@@ -272,11 +287,18 @@ class DeviceStepClock(StepClock):
         self._end("optimizer")
 
     def _wait_begins(self) -> None:
-        if "final" not in self._open:  # inside the final callbacks: already comm
+        # A wait made on another stream (FSDP's all-gather stream) holds up that stream,
+        # not the compute: what the compute stands still for shows where it waits for
+        # that stream's event, inside its phase. Inside the final callbacks: comm already.
+        marked = ("final" not in self._open and "wait" not in self._open
+                  and (self._compute is None or self._current() == self._compute))
+        self._waits.append(marked)
+        if marked:
             self._begin("wait")
 
     def _wait_ends(self) -> None:
-        self._end("wait")
+        if self._waits and self._waits.pop():
+            self._end("wait")
 
     # -- steps -----------------------------------------------------------------------------
     def close(self, step, duration: float) -> list:
