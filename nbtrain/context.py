@@ -248,8 +248,9 @@ class Context:
         from . import checkpoint
 
         checkpoint.save(path, state, full=full, models=self._model_of)
-        if self._recorder is not None and self.rank == 0:  # a restart goes on from here
-            self._recorder.checkpoint(self.step, os.path.abspath(os.fspath(path)))
+        if self._recorder is not None:  # a restart goes on from here
+            self._recorder.checkpoint(self.step, os.path.abspath(os.fspath(path)),
+                                      report=self.rank == 0)
 
     def load(self, path: str | os.PathLike, state: dict[str, Any],
              strict: bool = True) -> dict[str, Any]:

@@ -86,6 +86,29 @@ def test_checkpoint_every_resumes_the_step_the_data_and_the_random_streams(
                                    msg=f"{strategy}: {name} differs after the restart")
 
 
+def test_what_a_killed_rank_logged_before_its_checkpoint_reaches_the_kernel(
+        monkeypatch, tmp_path):
+    """Every rank puts its telemetry on the wire when a checkpoint is written: rank 1,
+    SIGKILLed at step 20 with a sender that would not have sent for half a minute, still
+    delivered every loss up to the checkpoint of step 18; the restart replays the rest.
+    (CI once lost two steps this way, a sender's 50 ms tick behind.)"""
+    from nbtrain.telemetry.client import TelemetryClient
+
+    init = TelemetryClient.__init__
+
+    def slow(self, *args, **kwargs):  # the ranks fork from here and keep it
+        kwargs["flush_interval"] = 30.0
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(TelemetryClient, "__init__", slow)
+    run = nbtrain.launch(every_train, str(tmp_path / "ck"), strategy="ddp", die_at=20,
+                         max_restarts=1, devices=2, accelerator="cpu", dashboard=False,
+                         start_method="fork")
+    assert run.results[0]["first"] == 18
+    for rank in (0, 1):
+        assert sorted(dict(run.history.metric("loss", rank))) == list(range(48)), rank
+
+
 def test_checkpoint_every_in_a_loop_without_a_loader(tmp_path):
     """A hand-written loop (``ctx.step = step`` at the top of each step, batches drawn
     from the generator): saved every 6 steps, resumed from 18 exactly."""

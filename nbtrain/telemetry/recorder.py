@@ -134,11 +134,14 @@ class Recorder:
         self._boundary(step, samples)
         self._epoch = (epoch, epoch_steps)
 
-    def checkpoint(self, step: int, path: str) -> None:
-        """Every rank finished writing the checkpoint at ``path`` (sent by rank 0)."""
-        self.client.send(Checkpoint(rank=self.rank, step=step, t=time.monotonic(),
-                                    path=path))
-        self.client.flush()  # on the wire before this rank can die: a restart needs it
+    def checkpoint(self, step: int, path: str, report: bool = True) -> None:
+        """Every rank finished writing the checkpoint at ``path``: ``report`` (rank 0)
+        says so. What each rank sent before it goes on the wire now, before the rank can
+        die: a restart resumes from here, and replays only the steps after it."""
+        if report:
+            self.client.send(Checkpoint(rank=self.rank, step=step, t=time.monotonic(),
+                                        path=path))
+        self.client.flush()
 
     def on_epoch_end(self) -> None:
         self._close_step(time.monotonic())
