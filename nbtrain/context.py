@@ -249,8 +249,7 @@ class Context:
 
         checkpoint.save(path, state, full=full, models=self._model_of)
         if self._recorder is not None:  # a restart goes on from here
-            self._recorder.checkpoint(self.step, os.path.abspath(os.fspath(path)),
-                                      report=self.rank == 0)
+            self._recorder.checkpoint(self.step, os.path.abspath(path), report=self.rank == 0)
 
     def load(self, path: str | os.PathLike, state: dict[str, Any],
              strict: bool = True) -> dict[str, Any]:
