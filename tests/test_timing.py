@@ -215,6 +215,11 @@ def test_a_clock_left_installed_does_not_stack_under_the_next():
 
 
 # -- a CUDA rank's clock (DeviceStepClock), on the CPU with fake events ------------------
+def _made(**fields):
+    """What the recorder gives a clock: the step's event, made once its phases are known."""
+    return lambda phases: Step(**fields, phases=phases)
+
+
 class FakeDevice:
     """A device's clock (milliseconds) that the test moves, and events recorded on it
     that complete when the test says the device got that far."""
@@ -291,12 +296,12 @@ def test_a_cuda_ranks_phases_come_from_its_events_read_once_complete():
     clock._engine = engine
     model = nn.Linear(4, 4)
     _device_step(clock, device, model, engine)
-    first = Step(rank=0, step=0, t=1.0, duration=0.05)
+    first = _made(rank=0, step=0, t=1.0, duration=0.05)
     # the device has not run the step yet: its Step waits, and no sync is made for it
     assert clock.close(first, 0.05) == [] and device.synced == 0
     _device_step(clock, device, model, engine)
     device.done = device.now  # the device caught up: both steps go, in order
-    second = Step(rank=0, step=1, t=2.0, duration=0.04)
+    second = _made(rank=0, step=1, t=2.0, duration=0.04)
     ready = clock.close(second, 0.04)
     assert [s.step for s in ready] == [0, 1]
     phases = ready[0].phases
@@ -308,7 +313,7 @@ def test_a_cuda_ranks_phases_come_from_its_events_read_once_complete():
     assert ready[1].phases["other"] == pytest.approx(0.04 - 0.022)
     # the run's end: what is held is read, after waiting for its events
     _device_step(clock, device, model, engine)
-    assert clock.close(Step(rank=0, step=2, t=3.0, duration=0.03), 0.03) == []
+    assert clock.close(_made(rank=0, step=2, t=3.0, duration=0.03), 0.03) == []
     (last,) = clock.flush()
     assert last.step == 2 and last.phases["backward"] == pytest.approx(0.010)
     assert device.synced > 0
@@ -324,7 +329,7 @@ def test_a_device_far_behind_gets_host_times_rather_than_a_sync():
     sent = []
     for i in range(timing.HOLD + 3):
         _device_step(clock, device, model, engine)
-        sent += clock.close(Step(rank=0, step=i, t=float(i), duration=0.05), 0.05)
+        sent += clock.close(_made(rank=0, step=i, t=float(i), duration=0.05), 0.05)
     assert [s.step for s in sent] == [0, 1, 2] and device.synced == 0
     assert all(set(s.phases) == set(PHASES) for s in sent)
 
@@ -368,7 +373,7 @@ def test_a_cuda_clock_follows_a_real_step(monkeypatch):
             opt.zero_grad()
             time.sleep(0.01)
             duration = time.monotonic() - started
-            (step,) = clock.close(Step(rank=0, step=i, t=float(i), duration=duration),
+            (step,) = clock.close(_made(rank=0, step=i, t=float(i), duration=duration),
                                   duration)
     finally:
         clock.uninstall()
@@ -392,7 +397,7 @@ def test_device_time_beyond_the_hosts_window_is_split_within_it():
     clock._engine = engine
     _device_step(clock, device, nn.Linear(4, 4), engine)
     device.done = device.now
-    (step,) = clock.close(Step(rank=0, step=0, t=1.0, duration=0.011), 0.011)
+    (step,) = clock.close(_made(rank=0, step=0, t=1.0, duration=0.011), 0.011)
     assert sum(step.phases.values()) == pytest.approx(0.011, abs=1e-5)
     assert step.phases["other"] == 0
     assert step.phases["backward"] == pytest.approx(0.005, abs=1e-5)  # 10 of 22 ms
@@ -413,7 +418,7 @@ def test_a_device_clock_whose_events_fail_falls_back_to_host_times():
     x = torch.ones(2, 4)
     clock._forward_start(model, (x,))
     clock._forward_end(model, (x,), model(x))
-    (step,) = clock.close(Step(rank=0, step=0, t=1.0, duration=0.05), 0.05)
+    (step,) = clock.close(_made(rank=0, step=0, t=1.0, duration=0.05), 0.05)
     assert step.phases["forward"] > 0 and set(step.phases) == set(PHASES)
 
 
@@ -436,5 +441,5 @@ def test_a_wait_on_a_side_stream_is_not_the_computes():
     device.now += 2
     clock._forward_end(model, (x,), model(x))
     device.done = device.now
-    (step,) = clock.close(Step(rank=0, step=0, t=1.0, duration=0.01), 0.01)
+    (step,) = clock.close(_made(rank=0, step=0, t=1.0, duration=0.01), 0.01)
     assert step.phases["forward"] == pytest.approx(0.005) and step.phases["comm"] == 0

@@ -158,11 +158,14 @@ class Recorder:
         if self._last is None:
             return
         duration = now - self._last
-        step = Step(rank=self.rank, step=self._step, t=now, duration=duration,
-                    samples=self._samples, epoch=self._epoch[0], epoch_steps=self._epoch[1],
-                    total_steps=self.total_steps)
+        step, samples, epoch, total = self._step, self._samples, self._epoch, self.total_steps
+
+        def made(phases):  # what this step was, whenever its phases are known
+            return Step(rank=self.rank, step=step, t=now, duration=duration, samples=samples,
+                        epoch=epoch[0], epoch_steps=epoch[1], total_steps=total, phases=phases)
+
         # with the breakdown, once known (a CUDA rank's, when its events have completed)
-        for ready in self.clock.close(step, duration) if self.clock else [step]:
+        for ready in self.clock.close(made, duration) if self.clock else [made({})]:
             self.client.send(ready)
         if self.comm:
             counts, sizes = self.comm.take()

@@ -1,5 +1,5 @@
 """Worker side: where a rank's step time goes, measured around the points every training
-step passes, on the rank's own clock (CPU ranks; on a GPU these are host times, see below).
+step passes, on the rank's own clock (CPU ranks; on a GPU, CUDA events: see below).
 
 - **data**: inside ``ctx.dataloader``'s iteration (the next batch, and its move to the
   device).
@@ -39,7 +39,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -177,9 +176,9 @@ class StepClock:
         """It ended."""
 
     # -- one step ------------------------------------------------------------------------
-    def close(self, step, duration: float) -> list:
-        """``step`` (a Step event) with its phases, ready to send: here at once."""
-        return [replace(step, phases=self.take(duration))]
+    def close(self, made: Callable[[dict], Any], duration: float) -> list:
+        """The step's event, ``made(phases)``, ready to send: here at once."""
+        return [made(self.take(duration))]
 
     def flush(self) -> list:
         """Steps still held (none here)."""
@@ -218,7 +217,7 @@ class DeviceStepClock(StepClock):
         self._marks: list = []  # this step's events, in the order recorded
         self._spans: list[tuple[str, int, int]] = []  # (phase, first mark, last mark)
         self._open: dict[str, int] = {}  # phase -> its first mark, while open
-        self._held: deque = deque()  # (step, duration, host phases, marks, spans)
+        self._held: deque = deque()  # (made, duration, host phases, marks, spans)
         self._free: list = []  # events read, to record again
         self._off = False  # recording an event failed: host times from then on
 
@@ -301,7 +300,7 @@ class DeviceStepClock(StepClock):
             self._end("wait")
 
     # -- steps -----------------------------------------------------------------------------
-    def close(self, step, duration: float) -> list:
+    def close(self, made: Callable[[dict], Any], duration: float) -> list:
         host = self.take(duration)
         still_open = list(self._open)
         for phase in still_open:  # a phase across the boundary: split at it
@@ -310,7 +309,7 @@ class DeviceStepClock(StepClock):
         self._marks, self._spans = [], []
         for phase in still_open:
             self._begin(phase)
-        self._held.append((step, duration, host, marks, spans))
+        self._held.append((made, duration, host, marks, spans))
         return self._release(wait=False)
 
     def flush(self) -> list:
@@ -320,7 +319,7 @@ class DeviceStepClock(StepClock):
     def _release(self, wait: bool) -> list:
         ready = []
         while self._held:
-            step, duration, host, marks, spans = self._held[0]
+            made, duration, host, marks, spans = self._held[0]
             if self._off:
                 phases = host
             elif not (wait or all(m.query() for m in marks)):
@@ -336,7 +335,7 @@ class DeviceStepClock(StepClock):
                 except RuntimeError:  # a device in error (the run is failing): host times
                     phases = host
             self._held.popleft()
-            ready.append(replace(step, phases=phases))
+            ready.append(made(phases))
         return ready
 
 
