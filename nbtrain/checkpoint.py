@@ -7,7 +7,9 @@ and optimizers become their state dicts through torch's
 ``torch.distributed.checkpoint.state_dict`` helpers, keyed by parameter names (DDP's,
 FSDP's and the checkpoint wrapper's prefixes removed; optimizer state flattened to
 ``state.<param>.<name>`` keys), so a checkpoint saved by FSDP on 2 ranks loads into DDP
-on 1 rank or into a plain model in the notebook. Other values are saved as they are and
+on 1 rank or into a plain model in the notebook. Objects with ``state_dict`` and
+``load_state_dict`` (an LR scheduler, a GradScaler) are saved as their state dicts and
+loaded in place, as torch's ``Stateful`` are. Other values are saved as they are and
 replaced in the dict on load.
 
 Two formats:
@@ -128,7 +130,7 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
             owner_of(obj).load_model_state_dict(obj, data[key], strict=strict)
         elif kind == "optimizer":
             owner_of(obj).load_optimizer_state_dict(model, obj, data[key], strict=strict)
-        else:
+        elif kind == "value":
             state[key] = data[key]
     return state
 
@@ -193,6 +195,8 @@ def _entries(state: Mapping[str, Any], models: Mapping[int, nn.Module] | None):
                                      "state, or set both up with ctx.setup(model, opt).")
                 model = modules[0]
             entries.append((key, "optimizer", value, model))
+        elif all(callable(getattr(value, m, None)) for m in ("state_dict", "load_state_dict")):
+            entries.append((key, "stateful", value, None))  # an LR scheduler, a GradScaler
         else:
             entries.append((key, "value", value, None))
     return entries
@@ -204,7 +208,9 @@ def _state_dict(kind: str, obj: Any, model: nn.Module | None, full: bool = False
         return owner_of(obj).model_state_dict(obj, full)
     if kind == "optimizer":
         return owner_of(obj).optimizer_state_dict(model, obj, full)
-    return obj
+    if kind == "stateful" and full:
+        return obj.state_dict()
+    return obj  # DCP saves and loads a stateful object through its state dict itself
 
 
 def _from_full(kind: str, obj: Any, model: nn.Module | None, saved: Any) -> Any:
@@ -212,6 +218,9 @@ def _from_full(kind: str, obj: Any, model: nn.Module | None, saved: Any) -> Any:
     shard, cut by torch's ``distribute_tensor``)."""
     if kind == "value":
         return saved
+    if kind == "stateful":  # (an older nbtrain pickled the object itself)
+        obj.load_state_dict(saved if isinstance(saved, Mapping) else saved.state_dict())
+        return obj
     local = _state_dict(kind, obj, model)
     for k, v in local.items():
         if k not in saved:

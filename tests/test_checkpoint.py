@@ -70,6 +70,28 @@ def test_a_sharded_checkpoint_loads_into_a_plain_model_in_the_notebook(tmp_path)
     assert_same(saved["model"], run.result["full"], "full file")
 
 
+@pytest.mark.parametrize("full", [False, True])
+def test_a_scheduler_is_loaded_in_place(tmp_path, full):
+    """An LR scheduler (any object with state_dict/load_state_dict) comes back into the
+    object the code steps, in both formats, not as a pickled copy bound to nothing."""
+    def made():
+        model = Deep()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+    model, opt, sched = made()
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    path = tmp_path / ("c.pt" if full else "c")
+    checkpoint.save(path, {"model": model, "optimizer": opt, "scheduler": sched}, full=full)
+    model, opt, sched = made()
+    state = checkpoint.load(path, {"model": model, "optimizer": opt, "scheduler": sched})
+    assert state["scheduler"] is sched and sched.last_epoch == 3
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.5 ** 4
+
+
 def test_checkpoint_arguments(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         checkpoint.load(tmp_path / "missing", {"model": Deep()})
