@@ -270,8 +270,8 @@ class Context:
         values as loaded and ``step``: the steps already done (0 on a fresh start).
 
         Steps are the batches of ``ctx.dataloader``'s loader (``loader=`` in the state
-        names which, else the function's first; its epochs already done then yield
-        nothing and the next starts at the saved batch), or, in a loop without one, the
+        names which, else the function's first; loop with ``loader.epochs(n)`` and it
+        starts at the saved epoch and batch), or, in a loop without one, the
         values given to ``ctx.step`` at the top of each step: ``for step in
         range(state["step"], n): ctx.step = step``. ``path``: a directory every rank
         sees (default: one per kernel and function in the temporary directory). Every

@@ -48,6 +48,7 @@ class DeviceLoader:
         self.on_fetch: Callable[[DeviceLoader], None] | None = None
         self._resume: tuple[int, int] | None = None
         self._done_epochs = 0  # epochs a resumed loader hands out empty
+        self._counted = False  # a loop over self.epochs(n) began (it skips the done ones)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -60,8 +61,27 @@ class DeviceLoader:
     def resume_at(self, epoch: int, batch: int) -> None:
         """Go on from ``batch`` of ``epoch``: the loop over epochs runs as written, the
         epochs already done yield nothing, the next epoch starts at ``batch``."""
+        if self._counted:
+            raise RuntimeError("ctx.checkpoint_every was called inside the loop over "
+                               "loader.epochs(n): call it before the loop, which then "
+                               "starts at the epoch the run goes on in.")
         self._resume = (epoch, batch)
         self._done_epochs = epoch
+
+    def epochs(self, n: int) -> Iterator[int]:
+        """The loop over epochs: ``for epoch in loader.epochs(n): for batch in loader:``.
+        ``range(n)`` on a fresh start; after a restart (``ctx.checkpoint_every``), from
+        the epoch the run goes on in, so code that runs once an epoch (a scheduler's
+        step, an evaluation) runs once for each. A loop over ``range(n)`` trains the
+        same (the epochs already done yield nothing) but runs that code again for them."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"loader.epochs({n!r}): give the number of epochs, an int >= 0.")
+        return self._epochs(n)
+
+    def _epochs(self, n: int) -> Iterator[int]:
+        start, self._done_epochs = self._done_epochs, 0  # the loop skips them itself
+        self._counted = True
+        yield from range(start, n)
 
     def __iter__(self) -> Iterator[Any]:
         if self._done_epochs:  # a resumed run: this epoch was trained before the restart

@@ -10,9 +10,10 @@ rank's own, so each rank writes them under a key of its own.
 When the launch goes on from a checkpoint (a restart under ``max_restarts``,
 ``launch(resume=...)``, or torchrun's agent starting the ranks again, which finds it in
 ``checkpoint_every``'s own directory), it is loaded before training starts: the models
-and optimizers in place, the step, the loader's position (the epochs already done yield nothing, the
-next one starts at the saved batch, without loading the batches before it), and, at the
-first step boundary, the random streams. Losses after a restart are then an
+and optimizers in place, the step, the loader's position (a loop over
+``loader.epochs(n)`` starts at the saved epoch, one over ``range(n)`` finds the epochs
+already done empty; the saved epoch goes on without loading the batches before the
+saved one), and, at the first step boundary, the random streams. Losses after a restart are then an
 uninterrupted run's, on the same number of ranks; not replayed exactly: random
 transforms inside DataLoader worker processes (``num_workers > 0``), and the fp16 loss
 scale (``checkpoint.py``).

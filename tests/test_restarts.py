@@ -86,6 +86,22 @@ def test_checkpoint_every_resumes_the_step_the_data_and_the_random_streams(
                                    msg=f"{strategy}: {name} differs after the restart")
 
 
+def test_once_an_epoch_code_runs_once_for_each_epoch_across_a_restart(tmp_path):
+    """``for epoch in loader.epochs(3)`` with an LR scheduler stepped at each epoch's end
+    and saved by checkpoint_every: rank 1 SIGKILLed at step 20 (epoch 1); the restart
+    loops over epochs 1 and 2 only, so the scheduler steps three times in all, and the
+    weights are the uninterrupted run's (a loop over range(3) would step it five)."""
+    kw = dict(per_epoch=True, devices=2, accelerator="cpu", dashboard=False)
+    whole = nbtrain.launch(every_train, str(tmp_path / "whole"), **kw)
+    run = nbtrain.launch(every_train, str(tmp_path / "ck"), die_at=20, max_restarts=1, **kw)
+    assert whole.results[0]["ends"] == [0, 1, 2] and run.results[0]["ends"] == [1, 2]
+    assert run.results[0]["first"] == 18
+    assert run.results[0]["lr"] == whole.results[0]["lr"] == 1e-2 * 0.5 ** 3
+    for name, value in whole.results[0]["full"].items():
+        torch.testing.assert_close(run.results[0]["full"][name], value, rtol=1e-5, atol=1e-6,
+                                   msg=f"{name} differs after the restart")
+
+
 def test_what_a_killed_rank_logged_before_its_checkpoint_reaches_the_kernel(
         monkeypatch, tmp_path):
     """Every rank puts its telemetry on the wire when a checkpoint is written: rank 1,

@@ -43,6 +43,24 @@ def test_a_resumed_loader_yields_what_the_uninterrupted_one_had_left():
     assert resumed.position == (3, 0)
 
 
+def test_loader_epochs_go_on_from_the_epoch_a_resumed_loader_is_in():
+    """``for epoch in loader.epochs(n)``: the epochs already done are not looped over at
+    all (no empty epochs), so once-an-epoch code runs once for each epoch in all."""
+    whole, _ = _loader()
+    want = {e: [b[0].tolist() for b in whole] for e in whole.epochs(3)}
+    resumed, _ = _loader()
+    resumed.resume_at(1, 4)
+    got = {e: [b[0].tolist() for b in resumed] for e in resumed.epochs(3)}
+    assert got == {1: want[1][4:], 2: want[2]}
+    assert resumed.position == (3, 0)
+    fresh, _ = _loader()
+    assert list(fresh.epochs(2)) == [0, 1]
+    with pytest.raises(ValueError, match=r"loader.epochs\(-1\): give the number"):
+        fresh.epochs(-1)
+    with pytest.raises(RuntimeError, match="call it before the loop"):
+        fresh.resume_at(1, 0)  # checkpoint_every inside the loop: too late to go on
+
+
 def test_the_loader_says_where_it_is_before_each_fetch():
     loader, _ = _loader(n=6, batch=2, shuffle=False)
     seen = []

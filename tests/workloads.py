@@ -412,16 +412,22 @@ def ckpt_train(ctx, path=None, load_from=None, steps=8, save_every=0, stop_after
 
 
 def every_train(ctx, path=None, epochs=3, every=6, hand=False, die_at=None,
-                die_by="SIGKILL", die_rank=1, out=None):
+                die_by="SIGKILL", die_rank=1, out=None, per_epoch=False):
     """ctx.checkpoint_every with a shuffled ctx.dataloader over ``epochs`` epochs (16
     steps each on 2 ranks), noise drawn from each rank's generator every step; or
     ``hand``: a loop without a loader, its batches drawn from the generator. Rank
-    ``die_rank`` dies at step ``die_at`` when the run started from step 0."""
+    ``die_rank`` dies at step ``die_at`` when the run started from step 0. ``per_epoch``:
+    the loop is ``loader.epochs(epochs)``, an LR scheduler (in the checkpoint) steps at
+    each epoch's end, and the result lists the epochs whose end this attempt ran."""
     torch.manual_seed(0)
     model = Deep()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     model, opt = ctx.setup(model, opt)
-    state = ctx.checkpoint_every(every, path, model=model, optimizer=opt, note="fresh")
+    extra = {}
+    if per_epoch:
+        extra["scheduler"] = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    state = ctx.checkpoint_every(every, path, model=model, optimizer=opt, note="fresh",
+                                 **extra)
     first, note = state["step"], state["note"]
 
     def train_step(x, y):
@@ -438,12 +444,22 @@ def every_train(ctx, path=None, epochs=3, every=6, hand=False, die_at=None,
             ctx.step = step
             x = torch.randn(8, D).to(ctx.device)
             train_step(x, (x[:, 0] > 0).long())
+    elif per_epoch:
+        ends = []
+        loader = ctx.dataloader(dataset(), batch_size=8, shuffle=True)
+        for epoch in loader.epochs(epochs):
+            for x, y in loader:
+                train_step(x, y)
+            extra["scheduler"].step()
+            ends.append(epoch)
     else:
         loader = ctx.dataloader(dataset(), batch_size=8, shuffle=True)
         for _ in range(epochs):
             for x, y in loader:
                 train_step(x, y)
     result = {"full": ctx.full_state_dict(model), "first": first, "note": note}
+    if per_epoch:
+        result.update(ends=ends, lr=opt.param_groups[0]["lr"])
     if out and ctx.rank == 0:  # under torchrun, where nothing comes back to a caller
         torch.save(result, out)
     return result
