@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .launch import launch
 from .launch.devices import parse_devices
+from .units import format_bytes
 
 DEFAULT_SIZES = tuple(4 ** k * 1024 for k in range(0, 9))  # 1 KB .. 64 MB
 
@@ -86,7 +87,7 @@ class Bandwidth:
         return nbytes / rows[-1].algbw
 
     def _table(self) -> list[tuple[str, ...]]:
-        return [(_size(r.bytes), f"{r.seconds * 1e6:.1f}", f"{r.algbw / 1e9:.3f}",
+        return [(format_bytes(r.bytes), f"{r.seconds * 1e6:.1f}", f"{r.algbw / 1e9:.3f}",
                  f"{r.busbw / 1e9:.3f}") for r in self.rows]
 
     def _title(self) -> str:
@@ -158,10 +159,3 @@ def bandwidth(devices: int | str | list[int] = "auto", accelerator: str = "auto"
     rows = tuple(Row(b, s, b / s, b / s * factor) for b, s in run.results[0])
     where = f"{n} {'GPUs' if run.accelerator == 'cuda' else 'CPU processes'}"
     return Bandwidth(rows, n, "nccl" if run.accelerator == "cuda" else "gloo", where)
-
-
-def _size(nbytes: int) -> str:
-    for unit, size in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
-        if nbytes >= size:
-            return f"{nbytes / size:g} {unit}"
-    return f"{nbytes} B"

@@ -46,6 +46,14 @@ def recorded(steps=50, ranks=2, fail_rank=None):
 
 
 # -- throttling and downsampling -------------------------------------------------------
+def test_byte_counts_read_in_one_unit():
+    from nbtrain.units import format_bytes, unit_for
+
+    assert format_bytes(100) == "100 B" and format_bytes(512 * 2**20) == "512 MB"
+    assert format_bytes(7.85 * 2**30) == "7.85 GB" and format_bytes(1536) == "1.5 KB"
+    assert unit_for(0) == ("KB", 1024) and unit_for(3 * 2**30) == ("GB", 2**30)
+
+
 def test_downsample_keeps_ends_and_bound():
     xs = list(range(10_000))
     x, y = downsample(xs, [v * 2 for v in xs], 100)

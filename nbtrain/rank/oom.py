@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..telemetry.probes import memory_by_category
-
-GB = 1 << 30
+from ..units import format_bytes
 
 
 def out_of_memory(exc: BaseException) -> bool:
@@ -39,12 +38,6 @@ def diagnose(ctx) -> str:
                 f"could not be measured: {type(err).__name__}: {err}).")
 
 
-def _fmt(n: float) -> str:
-    if n >= GB / 10:
-        return f"{n / GB:.2f} GB"
-    return f"{n / (1 << 20):.1f} MB" if n >= 1 << 20 else f"{n / 1024:.1f} KB"
-
-
 def _diagnose(ctx) -> str:
     model, optimizers, device = ctx._model, ctx._optimizers, ctx.device
     held = memory_by_category(model, optimizers, device) if model is not None else {}
@@ -56,16 +49,16 @@ def _diagnose(ctx) -> str:
         peak = torch.cuda.max_memory_allocated(device)
         capacity = torch.cuda.get_device_properties(device).total_memory
         rest = max(0, allocated - total)
-        figures.append(f"allocator: {_fmt(allocated)} allocated, peak {_fmt(peak)}, of "
-                       f"{_fmt(capacity)} on the device")
+        figures.append(f"allocator: {format_bytes(allocated)} allocated, peak {format_bytes(peak)}, of "
+                       f"{format_bytes(capacity)} on the device")
         total = max(total, allocated)
     else:
         rest = 0
     names = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state"}
-    parts = [f"{names[k]} {_fmt(v)} ({v / total:.0%})" for k, v in state.items()
+    parts = [f"{names[k]} {format_bytes(v)} ({v / total:.0%})" for k, v in state.items()
              if v and total]
     if rest:
-        parts.append(f"activations and temporaries {_fmt(rest)} ({rest / total:.0%})")
+        parts.append(f"activations and temporaries {format_bytes(rest)} ({rest / total:.0%})")
     lines = [f"nbtrain: rank {ctx.rank} ran out of memory on {ctx.device} under "
              f"{ctx.strategy.summary()}."]
     if parts:
@@ -89,25 +82,25 @@ def _remedies(ctx, state: dict[str, int], rest: int) -> list[tuple[float, str]]:
     out: list[tuple[float, str]] = []
     if n > 1 and whole and any(state[k] for k in whole):
         saved = sum(state[k] for k in whole) * (1 - 1 / n)
-        what = ", ".join(f"{names[k]} ({_fmt(state[k])})" for k in whole if state[k])
+        what = ", ".join(f"{names[k]} ({format_bytes(state[k])})" for k in whole if state[k])
         out.append((saved, f"strategy='fsdp': each of the {n} ranks holds 1/{n} of the "
-                           f"{what} it keeps whole now; about {_fmt(saved)} less here"))
+                           f"{what} it keeps whole now; about {format_bytes(saved)} less here"))
     model_state = sum(state.values())
     if ctx.device.type == "cuda" and model_state:  # (offloaded state is not on the device)
         out.append((model_state * (1 - 1 / max(n, 1)) if n > 1 else model_state * 0.9,
                     f"strategy='fsdp_offload': parameters, gradients and optimizer state in "
                     f"host memory (the GPU keeps what one layer needs); up to "
-                    f"{_fmt(model_state)} less here, at the cost of speed"))
+                    f"{format_bytes(model_state)} less here, at the cost of speed"))
     if rest:
         if not strategy.activation_checkpointing:
             out.append((rest * 0.6, f"activation_checkpointing='auto': recompute each block's "
                                     f"activations in backward instead of keeping them (most "
-                                    f"of {_fmt(rest)} here)"))
+                                    f"of {format_bytes(rest)} here)"))
         if strategy.mixed_precision is None:
             out.append((rest * 0.4, "mixed_precision='bf16' (on T4s 'fp16'): activations in "
                                     "half precision, about half of them"))
         out.append((rest * 0.5, f"a smaller batch per rank (activations grow with it: half "
-                                f"the batch, about {_fmt(rest / 2)} less), with "
+                                f"the batch, about {format_bytes(rest / 2)} less), with "
                                 f"ctx.accumulate to keep the global batch"))
     elif ctx.device.type != "cuda":  # no allocator to say what else filled the memory
         out.append((0.0, "activation_checkpointing='auto' or a smaller batch per rank, if "

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 from ..cells import mark_shown, shown_here
 from ..telemetry.advice import Scaling, advice_text, verdict
 from ..telemetry.summary import Summary
+from ..units import format_bytes, unit_for
 from .palette import (
     HOST_CATEGORIES,
     category_label,
     category_marker,
     collective_color,
-    unit_for,
 )
 from .theory import CATEGORIES, FOOTNOTE, n_params_from_memory, theoretical_bytes
 
@@ -76,18 +76,13 @@ class Row:
         if not self.model_bytes:
             return "-"
         if self.uneven:
-            return f"{_fmt_bytes(self.least_bytes)}–{_fmt_bytes(self.model_bytes)}"
-        return _fmt_bytes(self.model_bytes)
+            return f"{format_bytes(self.least_bytes)}–{format_bytes(self.model_bytes)}"
+        return format_bytes(self.model_bytes)
 
     @property
     def host_bytes(self) -> int:
         """The most model state any rank kept in host memory (CPU offload on a GPU run)."""
         return max((sum(m.get(c, 0) for c in HOST_CATEGORIES) for m in self.memory), default=0)
-
-
-def _fmt_bytes(nbytes: float) -> str:
-    name, size = unit_for(nbytes)
-    return f"{nbytes / size:.3g} {name}"
 
 
 def _names(rows: list[Row], name) -> str:
@@ -116,19 +111,19 @@ def takeaway(rows: list[Row]) -> str:
     if len(rows) == 1:
         r = rows[0]
         rate = f", {r.samples_per_s:,.0f} samples/s" if r.samples_per_s else ""
-        return f"{name(r)}: {_fmt_bytes(r.model_bytes)} of model state per rank{rate}."
+        return f"{name(r)}: {format_bytes(r.model_bytes)} of model state per rank{rate}."
     low = min(measured, key=lambda r: r.model_bytes).model_bytes
     high = max(measured, key=lambda r: r.model_bytes).model_bytes
     if len(measured) == 1:
-        text = f"{name(measured[0])}: {_fmt_bytes(low)} of model state per rank"
+        text = f"{name(measured[0])}: {format_bytes(low)} of model state per rank"
     elif high <= low * (1 + MEMORY_TIE):
-        text = f"{_names(measured, name)} hold the same model state per rank ({_fmt_bytes(low)})"
+        text = f"{_names(measured, name)} hold the same model state per rank ({format_bytes(low)})"
     else:
         least = [r for r in measured if r.model_bytes <= low * (1 + MEMORY_TIE)]
         most = [r for r in measured if r.model_bytes >= high / (1 + MEMORY_TIE)]
         text = (f"{_names(least, name)} {_verb(least, 'holds', 'hold')} {high / low:.1f}× "
-                f"less model state per rank than {_names(most, name)} ({_fmt_bytes(low)} vs "
-                f"{_fmt_bytes(high)})")
+                f"less model state per rank than {_names(most, name)} ({format_bytes(low)} vs "
+                f"{format_bytes(high)})")
     timed = [r for r in rows if r.samples_per_s and r.status == "done"]
     if len(timed) > 1:
         fast = max(r.samples_per_s for r in timed)
@@ -211,11 +206,11 @@ class Comparison:
         for r in self.rows:
             theory = sum(r.theory.values()) if r.theory else None
             lines.append([r.label, str(r.world_size), r.per_rank(),
-                          *([_fmt_bytes(r.host_bytes) if r.host_bytes else "-"] if host else []),
-                          _fmt_bytes(theory) if theory is not None else "-",
+                          *([format_bytes(r.host_bytes) if r.host_bytes else "-"] if host else []),
+                          format_bytes(theory) if theory is not None else "-",
                           f"{r.step_time * 1000:.1f}" if r.step_time else "-",
                           f"{r.samples_per_s:,.0f}" if r.samples_per_s else "-",
-                          _fmt_bytes(sum(r.comm.values())) if r.comm else "-",
+                          format_bytes(sum(r.comm.values())) if r.comm else "-",
                           f"{r.comm_share:.0%}" if r.comm_share is not None else "-"])
         widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
         out = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in lines]
@@ -231,8 +226,8 @@ class Comparison:
                 continue
             why = getattr(r.chosen, "uneven", "")
             why = f" {why}" if why else ""
-            out.append(f"{r.label}: ranks held {_fmt_bytes(r.least_bytes)} to "
-                       f"{_fmt_bytes(r.model_bytes)} of model state (the largest is "
+            out.append(f"{r.label}: ranks held {format_bytes(r.least_bytes)} to "
+                       f"{format_bytes(r.model_bytes)} of model state (the largest is "
                        f"compared).{why}")
         return out + self.scaling_notes()
 

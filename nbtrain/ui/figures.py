@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..units import unit_for
 from .palette import (
     CUDA_CATEGORIES,
     DASHES,
@@ -44,7 +45,6 @@ from .palette import (
     category_marker,
     collective_style,
     rank_color,
-    unit_for,
 )
 from .state import LiveState
 

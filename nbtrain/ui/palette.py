@@ -39,14 +39,6 @@ COLLECTIVE_COLORS = ("#4D4D4D", "#E69F00", "#0072B2", "#CC79A7", "#7F3B08", "#35
 DASHES = ("solid", "dot", "dash", "dashdot", "longdash")
 
 
-def unit_for(nbytes: float) -> tuple[str, float]:
-    """The unit (KB, MB or GB; powers of 1024) that keeps ``nbytes`` readable."""
-    for name, size in (("GB", 2**30), ("MB", 2**20)):
-        if nbytes >= size:
-            return name, size
-    return "KB", 2**10
-
-
 def rank_color(rank: int) -> str:
     return RANK_COLORS[rank % len(RANK_COLORS)]
 
