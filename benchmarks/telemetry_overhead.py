@@ -16,8 +16,14 @@ telemetry adds to a step, from a 1-rank run of a tiny model whose step takes a f
 hundred microseconds (launch and the first 50 steps excluded). At a step time T the
 ratio is then T / (T + added).
 
+``--compile before`` compiles the model before ``ctx.setup`` (the wrapper's hooks stay
+outside the compiled code), ``--compile after`` the model ``ctx.setup`` returns (the
+forward's timing hooks are then inside it, and dynamo breaks the graph at each of its two
+ends to run them): torch's inductor, the launches' first steps (the compile) left out.
+
     python benchmarks/telemetry_overhead.py [--steps 200] [--rounds 12] [--modes default]
     python benchmarks/telemetry_overhead.py --steps 20 --rounds 1 --tiny-rounds 1 --tiny-steps 100  # smoke
+    python benchmarks/telemetry_overhead.py --compile after --modes default --tiny-rounds 0
 """
 
 from __future__ import annotations
@@ -41,12 +47,16 @@ MODES = {
 }
 
 
-def train(ctx, steps: int):
+def train(ctx, steps: int, compile: str | None = None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(),
                           nn.Linear(512, 10))  # ~1.06M parameters
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if compile == "before":
+        model = torch.compile(model)
     model, opt = ctx.setup(model, opt)
+    if compile == "after":
+        model = torch.compile(model)
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(32 * steps * ctx.world_size, 512,
                                                       generator=g),
@@ -112,13 +122,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--strategies", default="ddp,fsdp")
     parser.add_argument("--tiny-rounds", type=int, default=6,
-                        help="rounds of the 1-rank tiny-model measure")
+                        help="rounds of the 1-rank tiny-model measure (0: none)")
+    parser.add_argument("--compile", choices=("before", "after"),
+                        help="torch.compile the model before ctx.setup, or the one it returns")
     parser.add_argument("--tiny-steps", type=int, default=3000)
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"a comma-separated subset of: {', '.join(MODES)} ('off' is "
                              "always measured)")
     args = parser.parse_args()
-    if args.steps <= 10 or args.tiny_steps <= 50:
+    if args.steps <= 10 or (args.tiny_rounds and args.tiny_steps <= 50):
         parser.error("--steps must be over 10 and --tiny-steps over 50 (warm-up steps are "
                      "left out)")
     modes = ["off"] + [m.strip() for m in args.modes.split(",") if m.strip() != "off"]
@@ -130,16 +142,21 @@ def main() -> None:
         for i in range(args.rounds):
             order = modes if i % 2 == 0 else list(reversed(modes))
             for mode in order:
-                run = nbtrain.launch(train, args.steps, devices=2, accelerator="cpu",
-                                     strategy=strategy, telemetry=MODES[mode])
+                run = nbtrain.launch(train, args.steps, args.compile, devices=2,
+                                     accelerator="cpu", strategy=strategy,
+                                     telemetry=MODES[mode])
                 rates[mode].append(run.result)
-        print(f"\n{strategy}: 2 CPU ranks, {args.steps} steps a run, {args.rounds} rounds")
+        compiled = f", compiled {args.compile} ctx.setup" if args.compile else ""
+        print(f"\n{strategy}: 2 CPU ranks, {args.steps} steps a run, {args.rounds} rounds"
+              f"{compiled}")
         print(f"{'telemetry':28s} {'steps/s':>9s} {'paired ratio to off':>20s} "
               f"{'90% interval':>15s}")
         for mode, values in rates.items():
             med, low, high = paired_interval(values, rates["off"])
             print(f"{mode:28s} {statistics.median(values):9.1f} {med:20.3f} "
                   f"{low:7.3f}-{high:.3f}")
+    if args.tiny_rounds < 1:
+        return
     print(f"\nWhat default telemetry adds to a step (1 rank, a tiny model, median of "
           f"{args.tiny_rounds} rounds):")
     for strategy in args.strategies.split(","):

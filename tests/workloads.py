@@ -232,6 +232,37 @@ def technique_train(ctx, accumulate=1, clip=None, init_meta=False, lr=1e-2, batc
     return {"full": ctx.full_state_dict(model), "initial": initial, "norms": norms}
 
 
+def compile_train(ctx, where="before", backend="aot_eager", save=None):
+    """technique_train's training (Deep + Adam, 8 steps) with the model torch.compile'd
+    ``before`` ctx.setup (nanoGPT's order) or ``after`` it (the model ctx.setup returns,
+    accelerate's order); ``where=None``: not compiled. Rank 0's full state dict, and the
+    graph breaks dynamo counted in this rank; ``save``: a checkpoint's path, saved at the end."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Deep()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if where == "before":
+        model = torch.compile(model, backend=backend)
+    model, opt = ctx.setup(model, opt)
+    if where == "after":
+        model = torch.compile(model, backend=backend)
+    for x, y in _batches(ctx.world_size, 16, ctx.rank):
+        loss = nn.functional.cross_entropy(model(x.to(ctx.device)), y.to(ctx.device))
+        ctx.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        ctx.log(loss=loss)
+    if save:
+        ctx.save(save, {"model": model, "optimizer": opt})
+    breaks = {reason.split("\n")[0] + ": " + reason.split("Developer debug context:")[-1][:200]
+              for reason in counters["graph_break"]}
+    return {"full": ctx.full_state_dict(model), "breaks": sum(counters["graph_break"].values()),
+            "reasons": sorted(breaks)}
+
+
 def technique_single(clip=None, precision=None, lr=1e-2, batch_size=16, world_size=2):
     """The same training in one process, on the union of the ranks' batches."""
     torch.manual_seed(0)

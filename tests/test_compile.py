@@ -1,0 +1,81 @@
+"""torch.compile'd models under nbtrain's strategies (real CPU/gloo runs). Compiled before
+ctx.setup (nanoGPT's order) or the model ctx.setup returns (accelerate's order), they train
+as the same run uncompiled does, save checkpoints that load into a plain model, and the
+time breakdown still sees their forward and backward. Compiled before setup, telemetry
+adds no graph break; compiled after, its forward hooks are inside the compiled call and
+dynamo runs them between two graph breaks at the call's two ends (the breakdown's price;
+``Telemetry(timing=False)`` has none).
+
+dynamo with the ``aot_eager`` backend: the graphs and the compiled autograd inductor
+would get, without a C++ compiler's minutes on CI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from workloads import Deep, compile_train
+
+import nbtrain
+from nbtrain import checkpoint
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+STRATEGIES = ("ddp", "fsdp")
+
+
+def launch(*args, **kwargs):
+    return nbtrain.launch(compile_train, *args, devices=2, accelerator="cpu",
+                          dashboard=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def uncompiled():
+    return {s: launch(None, strategy=s).results[0]["full"] for s in STRATEGIES}
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_compiled_model_trains_as_the_uncompiled_one(strategy, where, uncompiled):
+    run = launch(where, strategy=strategy)
+    for name, value in uncompiled[strategy].items():
+        torch.testing.assert_close(run.results[0]["full"][name], value, rtol=1e-5, atol=1e-6,
+                                   msg=f"{strategy}, compiled {where} setup: {name}")
+    for rank in (0, 1):
+        steps = run.history.events("step", rank)
+        assert len(steps) == 8, rank
+        later = steps[2:]  # after the compile
+        for phase in ("forward", "backward", "optimizer"):
+            assert all(s.phases[phase] > 0 for s in later), (rank, phase, later)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_compiled_before_setup_telemetry_adds_no_graph_break(strategy):
+    on = launch("before", strategy=strategy).results
+    off = launch("before", strategy=strategy, telemetry=False).results
+    assert [r["breaks"] for r in on] == [r["breaks"] for r in off], (on[0]["reasons"],
+                                                                      off[0]["reasons"])
+
+
+def test_compiled_after_setup_the_breakdown_breaks_the_graph_only_at_its_ends():
+    """fsdp, compiled after ctx.setup (torchtitan's order; one graph without nbtrain):
+    telemetry without the time breakdown adds no graph break, with it at most the two at
+    the compiled call's ends, where its forward hooks run. (DDP compiled after its wrap
+    breaks its own graph, and its forward traced through a hook breaks once more at its
+    logger: torch's, left as it is.)"""
+    off = launch("after", strategy="fsdp", telemetry=False).results[0]
+    plain = launch("after", strategy="fsdp", telemetry=nbtrain.Telemetry(timing=False))
+    timed = launch("after", strategy="fsdp").results[0]
+    assert plain.results[0]["breaks"] == off["breaks"], plain.results[0]["reasons"]
+    assert timed["breaks"] - off["breaks"] <= 2, timed["reasons"]
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_compiled_models_checkpoint_loads_into_a_plain_model(tmp_path, where):
+    """The compiled wrapper's ``_orig_mod.`` is in no saved name."""
+    path = str(tmp_path / "ck")
+    run = launch(where, strategy="fsdp", save=path)
+    model, opt = Deep(), None
+    opt = torch.optim.Adam(model.parameters())
+    checkpoint.load(path, {"model": model, "optimizer": opt})
+    for name, value in run.results[0]["full"].items():
+        torch.testing.assert_close(model.state_dict()[name], value)
+    assert len(opt.state) == len(list(model.parameters()))
