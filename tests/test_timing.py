@@ -334,23 +334,57 @@ def test_a_device_far_behind_gets_host_times_rather_than_a_sync():
     assert all(set(s.phases) == set(PHASES) for s in sent)
 
 
+class HostEvent:
+    """A CUDA event's part, read on the host's clock."""
+
+    def record(self):
+        self.at = time.monotonic()
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1000
+
+
+@pytest.mark.parametrize("kind", ["host", "device"])
+def test_a_model_compiled_after_it_was_watched_is_timed(kind):
+    """torch.compile of the model the clock watches (the model ctx.setup returns,
+    compiled): the hooks are inside the compiled call, and dynamo runs them between
+    graph breaks; forward, backward and optimizer are still timed, by the host clock and
+    by the device clock's events (host-timed here), each mark at its place."""
+    from nbtrain.telemetry.timing import DeviceStepClock
+
+    torch._dynamo.reset()
+    clock = StepClock() if kind == "host" else DeviceStepClock(event=HostEvent)
+    model = wide_mlp(256, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock.watch(model, [opt])
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(64, 256)
+    try:
+        for i in range(3):
+            started = time.monotonic()
+            compiled(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            duration = time.monotonic() - started
+            (step,) = clock.close(_made(rank=0, step=i, t=float(i), duration=duration),
+                                  duration)
+    finally:
+        clock.uninstall()
+    phases = step.phases
+    assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0, phases
+    assert sum(phases.values()) == pytest.approx(duration, rel=1e-3)
+
+
 def test_a_cuda_clock_follows_a_real_step(monkeypatch):
     """The device clock's marks in a real training step (gloo, one process), with events
     that read the host's clock: the phases agree with the host clock's."""
     from nbtrain.telemetry.timing import DeviceStepClock
-
-    class HostEvent:
-        def record(self):
-            self.at = time.monotonic()
-
-        def query(self):
-            return True
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, end):
-            return (end.at - self.at) * 1000
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "0")
