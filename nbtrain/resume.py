@@ -170,6 +170,7 @@ class Checkpointer:
     def save(self, done: int) -> None:
         own = {"step": done, "streams": random_streams(self.device),
                "data": self.loader.position if self.loader is not None else None}
-        self.state["step"] = done
-        self._save(self.path, {**self.state, _KEY.format(rank=self.rank): pickle.dumps(own)})
+        # the state handed back keeps the step this attempt began at
+        self._save(self.path, {**self.state, "step": done,
+                               _KEY.format(rank=self.rank): pickle.dumps(own)})
         self._saved_at = done

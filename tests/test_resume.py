@@ -104,6 +104,8 @@ def test_launch_resume_goes_on_from_a_checkpoint_every_checkpoint(tmp_path):
     assert {"step", "nbtrain.resume.0", "nbtrain.resume.1"} <= checkpoint.keys(path)
     done = nbtrain.launch(every_train, path, resume=path, **kw)
     assert done.results[0]["first"] == 16
+    # the state handed back still says where the attempt began, saves since or not
+    assert whole.results[0]["step_at_end"] == 0 and done.results[0]["step_at_end"] == 16
     for name, value in whole.results[0]["full"].items():
         torch.testing.assert_close(done.results[0]["full"][name], value, rtol=1e-5, atol=1e-6)
 

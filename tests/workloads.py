@@ -488,7 +488,8 @@ def every_train(ctx, path=None, epochs=3, every=6, hand=False, die_at=None,
         for _ in range(epochs):
             for x, y in loader:
                 train_step(x, y)
-    result = {"full": ctx.full_state_dict(model), "first": first, "note": note}
+    result = {"full": ctx.full_state_dict(model), "first": first, "note": note,
+              "step_at_end": state["step"]}
     if per_epoch:
         result.update(ends=ends, lr=opt.param_groups[0]["lr"])
     if out and ctx.rank == 0:  # under torchrun, where nothing comes back to a caller
