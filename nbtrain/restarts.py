@@ -41,7 +41,8 @@ def retry_cause(outcome: Outcome) -> str | None:
     if root is None:
         return None
     if root.exc_type.startswith("SIG") or root.exc_type in RETRIED_TYPES or root.secondary:
-        return f"rank {root.rank}: {first_line(root.message)}"
+        said = first_line(root.message)  # rank first, once
+        return said if said.startswith(f"rank {root.rank} ") else f"rank {root.rank}: {said}"
     return None
 
 

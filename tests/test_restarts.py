@@ -36,7 +36,7 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_trains_the_same(
                          max_restarts=2, **KW)
     assert run.status == "done"
     [attempt] = run.attempts
-    assert attempt.cause.startswith("rank 1: rank 1 was killed by SIGKILL")
+    assert attempt.cause.startswith("rank 1 was killed by SIGKILL")
     assert attempt.resume == path and attempt.step is not None and attempt.step >= 7
     assert run.results[0]["first"] == 8  # the step after the checkpoint of step 7
     want = uninterrupted[strategy].results[0]["full"]
