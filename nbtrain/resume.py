@@ -13,10 +13,10 @@ When the launch goes on from a checkpoint (a restart under ``max_restarts``,
 and optimizers in place, the step, the loader's position (a loop over
 ``loader.epochs(n)`` starts at the saved epoch, one over ``range(n)`` finds the epochs
 already done empty; the saved epoch goes on without loading the batches before the
-saved one), and, at the first step boundary, the random streams. Losses after a restart are then an
-uninterrupted run's, on the same number of ranks; not replayed exactly: random
-transforms inside DataLoader worker processes (``num_workers > 0``), and the fp16 loss
-scale (``checkpoint.py``).
+saved one), and, at the first step boundary, the random streams. Losses after a restart
+are then an uninterrupted run's, on the same number of ranks; not replayed exactly:
+random transforms inside DataLoader worker processes (``num_workers > 0``), and the fp16
+loss scale (``checkpoint.py``).
 
 A step boundary is where the loader is asked for its next batch, or, in a loop that
 does not use ``ctx.dataloader``, where ``ctx.step`` is set to the next step.

@@ -49,8 +49,8 @@ def _diagnose(ctx) -> str:
         peak = torch.cuda.max_memory_allocated(device)
         capacity = torch.cuda.get_device_properties(device).total_memory
         rest = max(0, allocated - total)
-        figures.append(f"allocator: {format_bytes(allocated)} allocated, peak {format_bytes(peak)}, of "
-                       f"{format_bytes(capacity)} on the device")
+        figures.append(f"allocator: {format_bytes(allocated)} allocated, peak "
+                       f"{format_bytes(peak)}, of {format_bytes(capacity)} on the device")
         total = max(total, allocated)
     else:
         rest = 0
@@ -84,7 +84,8 @@ def _remedies(ctx, state: dict[str, int], rest: int) -> list[tuple[float, str]]:
         saved = sum(state[k] for k in whole) * (1 - 1 / n)
         what = ", ".join(f"{names[k]} ({format_bytes(state[k])})" for k in whole if state[k])
         out.append((saved, f"strategy='fsdp': each of the {n} ranks holds 1/{n} of the "
-                           f"{what} it keeps whole now; about {format_bytes(saved)} less here"))
+                           f"{what} it keeps whole now; about {format_bytes(saved)} less "
+                           "here"))
     model_state = sum(state.values())
     if ctx.device.type == "cuda" and model_state:  # (offloaded state is not on the device)
         out.append((model_state * (1 - 1 / max(n, 1)) if n > 1 else model_state * 0.9,
