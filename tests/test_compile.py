@@ -3,7 +3,7 @@ ctx.setup (nanoGPT's order) or the model ctx.setup returns (accelerate's order),
 as the same run uncompiled does, save checkpoints that load into a plain model, and the
 time breakdown still sees their forward and backward. Compiled before setup, telemetry
 adds no graph break; compiled after, its forward hooks are inside the compiled call and
-dynamo runs them between two graph breaks at the call's two ends (the breakdown's price;
+dynamo runs them between graph breaks at the call's two ends (the breakdown's price;
 ``Telemetry(timing=False)`` has none).
 
 dynamo with the ``aot_eager`` backend: the graphs and the compiled autograd inductor
@@ -55,17 +55,18 @@ def test_compiled_before_setup_telemetry_adds_no_graph_break(strategy):
                                                                       off[0]["reasons"])
 
 
-def test_compiled_after_setup_the_breakdown_breaks_the_graph_only_at_its_ends():
-    """fsdp, compiled after ctx.setup (torchtitan's order; one graph without nbtrain):
-    telemetry without the time breakdown adds no graph break, with it at most the two at
-    the compiled call's ends, where its forward hooks run. (DDP compiled after its wrap
-    breaks its own graph, and its forward traced through a hook breaks once more at its
-    logger: torch's, left as it is.)"""
+def test_compiled_after_setup_only_the_breakdowns_hooks_break_the_graph():
+    """fsdp, compiled after ctx.setup (torchtitan's order): telemetry without the time
+    breakdown adds no graph break; with it, every break it adds is where its forward hooks
+    read the clock, at the compiled call's ends (torch 2.13 counts 2, torch 2.10 4).
+    (DDP compiled after its wrap breaks its own graph, and its forward traced through a
+    hook breaks once more at its logger: torch's, left as it is.)"""
     off = launch("after", strategy="fsdp", telemetry=False).results[0]
     plain = launch("after", strategy="fsdp", telemetry=nbtrain.Telemetry(timing=False))
     timed = launch("after", strategy="fsdp").results[0]
     assert plain.results[0]["breaks"] == off["breaks"], plain.results[0]["reasons"]
-    assert timed["breaks"] - off["breaks"] <= 2, timed["reasons"]
+    added = set(timed["reasons"]) - set(off["reasons"])
+    assert all("monotonic" in reason for reason in added), added
 
 
 @pytest.mark.parametrize("where", ["before", "after"])
