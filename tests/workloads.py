@@ -260,7 +260,7 @@ def compile_train(ctx, where="before", backend="aot_eager", save=None):
     breaks = {reason.split("\n")[0] + ": " + reason.split("Developer debug context:")[-1][:200]
               for reason in counters["graph_break"]}
     return {"full": ctx.full_state_dict(model), "breaks": sum(counters["graph_break"].values()),
-            "reasons": sorted(breaks)}
+            "reasons": sorted(breaks), "graphs": counters["stats"]["unique_graphs"]}
 
 
 def technique_single(clip=None, precision=None, lr=1e-2, batch_size=16, world_size=2):

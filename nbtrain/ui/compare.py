@@ -117,7 +117,8 @@ def takeaway(rows: list[Row]) -> str:
     if len(measured) == 1:
         text = f"{name(measured[0])}: {format_bytes(low)} of model state per rank"
     elif high <= low * (1 + MEMORY_TIE):
-        text = f"{_names(measured, name)} hold the same model state per rank ({format_bytes(low)})"
+        text = (f"{_names(measured, name)} hold the same model state per rank "
+                f"({format_bytes(low)})")
     else:
         least = [r for r in measured if r.model_bytes <= low * (1 + MEMORY_TIE)]
         most = [r for r in measured if r.model_bytes >= high / (1 + MEMORY_TIE)]
