@@ -32,6 +32,8 @@ class WorkerError(RuntimeError):
         others: one line per other rank that did not finish normally.
     """
 
+    others_heading = "other ranks:"
+
     def __init__(self, rank: int, exc_type: str, message: str, traceback: str = "",
                  others: list[str] | None = None, hint: str = ""):
         self.rank = rank
@@ -50,7 +52,7 @@ class WorkerError(RuntimeError):
         if self.traceback:
             lines += ["", self.traceback.rstrip()]
         if self.others:
-            lines += ["", "other ranks:"] + [f"  {line}" for line in self.others]
+            lines += ["", self.others_heading] + [f"  {line}" for line in self.others]
         if self.hint:
             lines += ["", self.hint]
         return "\n".join(lines)
@@ -86,7 +88,7 @@ class WorkerError(RuntimeError):
             lines += ["", "(the whole traceback: in the run's view above, and in "
                       "err.traceback)"]
             if self.others:
-                lines += ["", "other ranks:"] + [f"  {line}" for line in self.others]
+                lines += ["", self.others_heading] + [f"  {line}" for line in self.others]
             if self.hint:
                 lines += ["", self.hint]
             return lines
@@ -95,28 +97,49 @@ class WorkerError(RuntimeError):
 
 
 class RunTimeoutError(WorkerError):
-    """The run passed its ``timeout=``; ``.ranks`` are the ranks that were still running."""
+    """The run passed its ``timeout=``; ``.ranks`` are the ranks that were still running,
+    ``others`` says where each one was (when it said)."""
 
-    def __init__(self, timeout: float, ranks: list[int], finished: list[int]):
+    others_heading = "where they were:"
+
+    def __init__(self, timeout: float, ranks: list[int], finished: list[int],
+                 where: dict[int, str] | None = None):
         self.timeout = timeout
-        self.ranks = list(ranks)
+        self.ranks, self.finished = list(ranks), list(finished)
+        self.where = {r: at for r, at in (where or {}).items() if at}  # one line each
         still = ", ".join(map(str, ranks)) or "none"
         done = ", ".join(map(str, finished)) or "none"
         super().__init__(
             ranks[0] if ranks else 0, "Timeout",
             f"the run passed timeout={timeout:g}s; ranks still running: {still} "
             f"(finished: {done})",
+            others=[f"rank {r}: still running, at {at}" for r, at in self.where.items()],
             hint="A rank that never reaches a collective the others wait in (a barrier, an "
                  "all-reduce, a forward pass skipped on one rank) hangs them all. Check that "
                  "every rank runs the same number of steps, or raise timeout= if the work "
                  "is just long.")
 
     def __reduce__(self):
-        return (_rebuild_timeout, (self.timeout, self.ranks, self.others))
+        return (type(self), (self.timeout, self.ranks, self.finished, self.where))
 
 
-def _rebuild_timeout(timeout, ranks, others):
-    return RunTimeoutError(timeout, ranks, [])
+def places_of(ranks: dict) -> dict[int, str]:
+    """``{rank: frame_text(its where)}`` for ranks of a run's outcome (``wire.RankOutcome``);
+    "" for a rank that did not say where it was."""
+    return {r: frame_text(getattr(w, "where", None)) for r, w in ranks.items()}
+
+
+def where_text(where: dict[int, str]) -> str:
+    """Where ranks were (``{rank: frame_text}``), ranks at the same line together:
+    ``where the ranks were: ranks 0, 1 at Cell In[4], line 9, in train: loss.backward()``
+    ("" if none said)."""
+    places: dict[str, list[int]] = {}
+    for rank, at in sorted(where.items()):
+        if at:
+            places.setdefault(at, []).append(rank)
+    parts = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} at {at}"
+             for at, r in places.items()]
+    return "where the ranks were: " + "; ".join(parts) if parts else ""
 
 
 class RunStoppedError(RuntimeError):
@@ -159,6 +182,21 @@ def cell_label(filename: str, cells: dict[str, int] | None = None) -> str | None
 
 
 _IPYTHON7_CELL = re.compile(r"<ipython-input-(\d+)-")
+
+
+def frame_text(frame) -> str:
+    """A ``wire.Frame`` on one line, as a cell names it: ``Cell In[5], line 8, in train:
+    loss.backward()`` (a file: its path, relative to the working directory if inside);
+    "" for None."""
+    if frame is None:
+        return ""
+    filename, lineno, name = frame.filename, frame.lineno, frame.name
+    place = cell_label(filename)
+    if place is None:
+        path = os.path.abspath(filename)
+        place = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else filename
+    source = linecache.getline(filename, lineno).strip()
+    return f"{place}, line {lineno}, in {name}" + (f": {source}" if source else "")
 
 
 def filename_map() -> dict[str, int]:
@@ -238,7 +276,36 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def signal_hint(signum: int) -> str:
+COLLECTIVE_MISMATCH = re.compile(r"collective mismatch|mismatch between collectives|"
+                                 r"doesn't match expected size", re.IGNORECASE)
+
+
+def peers_returned_hint(rank: int, returned: list[int]) -> str:
+    """A rank's communication error when every other rank had returned: it ran a
+    collective they did not."""
+    them = (f"rank {returned[0]}" if len(returned) == 1
+            else "ranks " + ", ".join(map(str, returned)))
+    return (f"{them.capitalize()} had returned when rank {rank} waited in this collective: "
+            f"rank {rank} ran a collective that {them} did not (a barrier, an all_reduce, a "
+            "forward pass or a state_dict under `if ctx.rank == 0:`, or more steps: give "
+            "every rank the same number of batches). Run the same collectives, in the same "
+            "order, on every rank.")
+
+
+def signal_hint(signum: int, native: str = "") -> str:
+    """What a rank's death by ``signum`` usually means; ``native``: what native code
+    printed as it died (a C++ exception's message)."""
+    if COLLECTIVE_MISMATCH.search(native):
+        return ("The ranks ran different collectives at the same time: one rank ran a "
+                "collective the others did not (a forward pass, a barrier, a state_dict or "
+                "an all_reduce under `if ctx.rank == 0:`; under FSDP every forward and "
+                "backward gathers parameters), or ran one with another size (batches of "
+                "different sizes). Run the same collectives, in the same order, on every "
+                "rank; \"other ranks\" says where each one was.")
+    if signum == signal.SIGABRT:
+        return ("SIGABRT is native code in the rank aborting (a C++ exception it could not "
+                "raise to Python, a failed check in torch, gloo, NCCL or a C extension): "
+                "what it printed is in the message, the line it ran in the traceback.")
     if signum == signal.SIGKILL:
         return ("SIGKILL with no traceback usually means the operating system's out-of-memory "
                 "killer ended the process: check free memory (or `dmesg`), lower the batch "

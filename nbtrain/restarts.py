@@ -5,14 +5,17 @@ Retried: a rank killed by a signal (the OOM killer's SIGKILL, a preempted proces
 rank that exited without returning, a rank that never joined its process group, and an
 attempt whose only failures are communication errors (a collective that timed out, a
 peer's death seen from afar). Not retried: an exception raised by the user's code (it
-would raise again), ``run.stop()`` or an interrupt, the run's own ``timeout=``, and a
-failure of nbtrain itself.
+would raise again), ranks that ran different collectives (a native abort on a collective
+mismatch, a collective that outlived its peers' return: the code would do it again),
+``run.stop()`` or an interrupt, the run's own ``timeout=``, and a failure of nbtrain
+itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import COLLECTIVE_MISMATCH
 from .wire import Outcome, first_line
 
 RETRIED_TYPES = ("WorkerExit", "StartTimeout")
@@ -38,7 +41,7 @@ def retry_cause(outcome: Outcome) -> str | None:
     if outcome.crash is not None or outcome.teardown_cause in ("stop", "timeout", "remote"):
         return None
     root = outcome.root_failure()
-    if root is None:
+    if root is None or COLLECTIVE_MISMATCH.search(root.message):
         return None
     if root.exc_type.startswith("SIG") or root.exc_type in RETRIED_TYPES or root.secondary:
         said = first_line(root.message)  # rank first, once

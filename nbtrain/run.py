@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .cells import busy_while_blocking
-from .errors import RunStoppedError, RunTimeoutError, WorkerError, cell_names
+from .errors import RunStoppedError, RunTimeoutError, WorkerError, cell_names, places_of, where_text
 from .restarts import Attempt, history_text, retry_cause
 from .telemetry.events import Checkpoint, Event, Lifecycle, Output, Restart
 from .telemetry.history import History
@@ -297,10 +297,8 @@ class Run:
             outcome = self._outcome
             outcome.done.wait()
             for close in self._cleanup:
-                try:
+                with contextlib.suppress(Exception):
                     close()
-                except Exception:
-                    pass
             if not self._next_attempt(outcome):
                 break
         try:
@@ -344,29 +342,31 @@ class Run:
         self._sinks.put(event)
         with self._lock:
             self.rank_status = dict.fromkeys(self.rank_status, "starting")
+        self._say(f"nbtrain: {attempt} ({attempt.number} of {self._max_restarts} restarts)")
+
+    def _say(self, text: str) -> None:
+        """A line of nbtrain's own in the run's output (the cell), after the ranks'."""
         with contextlib.suppress(Exception):
-            self._streams["err"].write(f"nbtrain: {attempt} ({attempt.number} of "
-                                       f"{self._max_restarts} restarts)\n")
+            self._streams["err"].write(text and text + "\n")
             self._streams["err"].flush()
 
     def _conclude(self, outcome) -> None:
-        workers = outcome.workers
+        workers, at = outcome.workers, places_of(outcome.workers)  # where ranks were ended
         if outcome.crash is not None:
             self._status = "failed"
             raise RuntimeError("nbtrain's supervisor failed (a bug in nbtrain; the workers were "
                                f"ended): {type(outcome.crash).__name__}: {outcome.crash}") from outcome.crash
         if outcome.teardown_cause == "stop":
             self._status = "stopped"
-            for rank, w in workers.items():
-                if w.result is None:
-                    self.rank_status[rank] = "stopped"
+            self.rank_status.update({r: "stopped" for r, w in workers.items() if w.result is None})
+            self._say(where_text(at) and f"nbtrain: the run was stopped; {where_text(at)}")
             return
         if outcome.teardown_cause == "timeout":
             self._status = "failed"
             finished = [r for r, w in workers.items() if w.result is not None]
-            for r in outcome.timed_out_ranks:
-                self.rank_status[r] = "failed"
-            self._error = RunTimeoutError(self.timeout or 0, outcome.timed_out_ranks, finished)
+            where = {r: at[r] for r in outcome.timed_out_ranks}
+            self.rank_status.update(dict.fromkeys(where, "failed"))
+            self._error = RunTimeoutError(self.timeout or 0, list(where), finished, where)
             return
         root = outcome.root_failure()
         if root is not None:
@@ -382,7 +382,8 @@ class Run:
                 elif w.result is not None:
                     others.append(f"rank {rank}: had finished")
                 else:
-                    others.append(f"rank {rank}: stopped by nbtrain")
+                    others.append(f"rank {rank}: stopped by nbtrain"
+                                  + (at[rank] and f", at {at[rank]}"))
                     self.rank_status[rank] = "stopped"
             self.rank_status[root.rank] = "failed"
             hint = "\n".join(h for h in (root.hint, history_text(self.attempts)) if h)
@@ -414,9 +415,7 @@ class Run:
         note = getattr(outcome, "note", None)  # e.g. every rank trained alone
         if note:
             self.note = note
-            with contextlib.suppress(Exception):
-                self._streams["err"].write(note + "\n")
-                self._streams["err"].flush()
+            self._say(note)
 
 
 def _stop_active_runs() -> None:

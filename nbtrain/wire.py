@@ -62,10 +62,20 @@ class FailureLike(Protocol):
     hint: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """A line of a rank's Python stack: where it was when it was ended."""
+
+    filename: str
+    lineno: int
+    name: str
+
+
 class RankOutcome(Protocol):
     result: bytes | None  # a result message (P or D), once it returned
     failure: FailureLike | None  # once it failed
     exitcode: int | None  # once its process ended here (None: it ran elsewhere)
+    where: Frame | None  # where its function was when nbtrain ended it, if it said
 
 
 @dataclasses.dataclass
@@ -76,6 +86,7 @@ class Reported:
     result: bytes | None = None
     failure: FailureLike | None = None
     exitcode: int | None = None
+    where: Frame | None = None
 
 
 class Outcome(Protocol):

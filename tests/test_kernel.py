@@ -95,7 +95,12 @@ def test_a_worker_traceback_names_the_cell_and_shows_once(k, kernel_clean, start
     assert re.search(r"\[rank 1\]   Cell In\[\d+\], line \d+, in failing\n"
                      r"\[rank 1\]     raise ZeroDivisionError", text), text
     assert "ipykernel_" not in text
-    assert text.count(", in failing") == 1  # once
+    assert len(re.findall(r"\[rank 1\]\s+Cell In\[\d+\], line \d+, in failing", text)) == 1
+    # and where rank 0 was when it was ended, waiting for rank 1 (when it said so before
+    # gloo told it of rank 1's exit)
+    at = re.search(r"rank 0: stopped by nbtrain, at (.*)", text)
+    assert at is None or re.fullmatch(r"Cell In\[\d+\], line \d+, in failing: dist.barrier\(\)",
+                                      at.group(1)), text
     assert "nbtrain/launch" not in text and "run.py" not in text  # no kernel-side internals
     # the launching line (IPython 7 may name the frame <cell line: 0>)
     assert re.search(r"Cell In\[\d+\], line 1, in <(module|cell line: \d+)>", text), text
@@ -106,13 +111,45 @@ def test_a_traceback_the_view_shows_is_not_repeated(k, kernel_clean):
     assert reply.ename == "WorkerError"
     text = _plain(reply)
     assert "the whole traceback: in the run's view above" in text
-    assert text.count(", in failing") == 1  # where it failed in the cell, named once
+    # where it failed in the cell, named once (besides where rank 0 was)
+    assert len(re.findall(r"(?<!at )Cell In\[\d+\], line \d+, in failing", text)) == 1, text
     assert "Traceback (most recent call last)" in text
     assert text.count("Traceback (most recent call last)") == 1  # the worker's is in the view
     # the view's red box reads the history: the cell is named there too
     detail = k.value("[e.detail for e in nbtrain.last_run().history.events('lifecycle', 1)"
                      " if e.state == 'failed'][0]")
     assert re.search(r"Cell In\[\d+\], line \d+, in failing", detail), detail
+
+
+def test_a_hang_and_a_native_crash_name_the_cells_lines(k, kernel_clean):
+    """Where each rank waited when the run timed out, and the line a rank ran when it
+    died in native code, named as IPython names cells, with their source."""
+    k.run("""
+        def waits(ctx):
+            if ctx.rank == 0:
+                dist.barrier()  # rank 1 never comes
+            time.sleep(60)
+
+        def crashes(ctx):
+            import ctypes
+            if ctx.rank == 1:
+                ctypes.string_at(0)
+            dist.barrier()
+    """)
+    reply = k.run("nbtrain.launch(waits, devices=2, timeout=3, dashboard=False)")
+    assert reply.ename == "RunTimeoutError", reply.error
+    text = _plain(reply)
+    assert re.search(r"rank 0: still running, at Cell In\[\d+\], line 3, in waits: "
+                     r"dist.barrier\(\)  # rank 1 never comes", text), text
+    assert re.search(r"rank 1: still running, at Cell In\[\d+\], line 4, in waits: "
+                     r"time.sleep\(60\)", text), text
+    reply = k.run("nbtrain.launch(crashes, devices=2, dashboard=False)")
+    assert reply.ename == "WorkerError", reply.error
+    text = _plain(reply)
+    assert "rank 1 was killed by SIGSEGV (signal 11) in native code" in text
+    assert re.search(r"\[rank 1\]   Cell In\[\d+\], line 9, in crashes\n"
+                     r"\[rank 1\]     ctypes.string_at\(0\)", text), text
+    assert not wait_no_descendants(k.pid, timeout=2.0)
 
 
 @pytest.mark.parametrize("how", ["group", "pid"])

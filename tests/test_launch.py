@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -121,6 +122,57 @@ def test_a_killed_rank_names_the_signal_and_the_likely_cause():
     assert "out-of-memory" in str(err)
 
 
+def test_a_crash_in_native_code_shows_the_line_each_rank_ran():
+    """A segfault gives no Python exception: the rank's own stack (faulthandler, as it
+    died) is its traceback, and the rank nbtrain ended says where it was waiting."""
+    with pytest.raises(nbtrain.WorkerError) as info:
+        nbtrain.launch(fail_on, "segfault", devices=2, dashboard=False)
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "SIGSEGV"
+    assert err.message == "rank 1 was killed by SIGSEGV (signal 11) in native code"
+    # as Python writes a traceback: from the user's function on, with its source lines
+    assert re.search(r"\[rank 1\] Traceback \(most recent call last\):\n"
+                     r'\[rank 1\]   File ".*workloads.py", line \d+, in fail_on\n'
+                     r"\[rank 1\]     ctypes.string_at\(0\)", err.traceback), err.traceback
+    assert "rank/worker.py" not in err.traceback and "Fatal Python error" not in err.traceback
+    # rank 0 is ended where it waits for rank 1 (unless gloo told it first)
+    assert len(err.others) == 1 and re.fullmatch(
+        r"rank 0: (stopped by nbtrain(, at \S*workloads.py, line \d+, in fail_on: "
+        r"dist.all_reduce\(t\).*)?|also failed with RuntimeError: .*gloo.*)",
+        err.others[0]), err.others
+
+
+def test_ranks_that_run_different_collectives_are_told_so_and_not_restarted():
+    run = nbtrain.launch(fail_on, "mismatch", devices=2, dashboard=False, max_restarts=1,
+                         background=True)
+    with pytest.raises(nbtrain.WorkerError) as info:
+        run.wait(timeout=60)
+    err = info.value  # gloo aborts the rank that received more than it expected
+    assert err.rank == 0 and err.exc_type == "SIGABRT", str(err)
+    assert "Is there a distributed collective mismatch in your code?" in err.message
+    assert ", in fail_on" in err.traceback
+    assert "ran different collectives at the same time" in err.hint
+    # rank 1 was ended (where it waits, when it said), unless gloo told it first
+    assert re.search(r"rank 1: (stopped by nbtrain|also failed with RuntimeError: .*gloo)",
+                     str(err)), err.others
+    assert "linecache" not in str(err) and "hosting.py" not in str(err)  # never ours
+    assert run.attempts == []  # it would do it again
+
+
+def test_a_collective_that_its_peers_never_ran_is_named_and_not_restarted():
+    """Rank 1 runs one all_reduce more than rank 0, which returns: gloo says "connection
+    closed by peer ... a remote worker crashing"; nbtrain says what happened."""
+    run = nbtrain.launch(fail_on, "alone", devices=2, dashboard=False, max_restarts=1,
+                         background=True)
+    with pytest.raises(nbtrain.WorkerError) as info:
+        run.wait(timeout=60)
+    err = info.value
+    assert err.rank == 1 and "rank 0: had finished" in str(err)
+    assert err.hint.startswith("Rank 0 had returned when rank 1 waited in this collective: "
+                               "rank 1 ran a collective that rank 0 did not")
+    assert run.attempts == []
+
+
 def test_a_rank_that_exits_without_returning():
     with pytest.raises(nbtrain.WorkerError, match="exited with code 3 before returning"):
         nbtrain.launch(fail_on, "exit", devices=2)
@@ -149,6 +201,14 @@ def test_a_hang_ends_at_the_timeout_naming_the_ranks():
     assert 3 <= time.monotonic() - t < 15
     assert info.value.ranks == [0, 1]
     assert "ranks still running: 0, 1" in str(info.value)
+    # where each one was: rank 1 in its own sleep, rank 0 in the collective that waits
+    where = info.value.where
+    assert re.fullmatch(r"\S*workloads.py, line \d+, in fail_on: time.sleep\(3600\)",
+                        where[1]), where
+    assert re.fullmatch(r"\S*workloads.py, line \d+, in fail_on: dist.all_reduce\(t\)  "
+                        r"# the healthy ranks wait here for the failed one", where[0]), where
+    assert "where they were:\n  rank 0: still running, at " in str(info.value)
+    assert pickle.loads(pickle.dumps(info.value)).where == where
 
 
 def test_background_run_can_be_waited_on_and_stopped():
@@ -163,6 +223,21 @@ def test_background_run_can_be_waited_on_and_stopped():
     with pytest.raises(nbtrain.RunStoppedError):
         _ = run.results
     assert run.wait() is None
+
+
+def test_a_stopped_run_says_where_each_rank_was(capsys):
+    """Stopping a run that seems hung (the stop button, an interrupt, run.stop()) says
+    where its ranks were, ranks at the same line together."""
+    run = nbtrain.launch(sleeper, devices=2, background=True, dashboard=False)
+    seen, deadline = "", time.monotonic() + 60
+    while seen.count("started") < 2 and time.monotonic() < deadline:
+        seen += capsys.readouterr().out
+        time.sleep(0.05)
+    run.stop()
+    assert run.status == "stopped"
+    assert re.search(r"nbtrain: the run was stopped; where the ranks were: ranks 0, 1 at "
+                     r"\S*workloads.py, line \d+, in sleeper: time.sleep\(seconds\)\n",
+                     capsys.readouterr().err)
 
 
 def test_output_reaches_the_kernel_labelled_and_whole(capsys):

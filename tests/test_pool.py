@@ -6,6 +6,7 @@ teardown after a failure, leaves no process behind."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -222,6 +223,18 @@ def test_a_rank_killed_during_a_launch_is_named_and_the_pool_starts_again(pool):
     assert "workers were ended: rank 1 died (SIGKILL)" in str(err)
     assert pool.launch(fail_on, "none", dashboard=False).results == [0, 1]
     assert pool.started == 2
+
+
+def test_a_cell_that_crashes_in_native_code_names_its_line(pool):
+    """A segfault in a %%ranks cell: the stack the rank wrote as it died is the cell's
+    traceback, with the cell's source line (the kernel keeps the cell's text)."""
+    with pytest.raises(RankCellError) as info:
+        pool.run("import ctypes\nif rank == 1:\n    ctypes.string_at(0)\n")
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "SIGSEGV" and "in native code" in err.message
+    assert re.search(r'\[rank 1\]   File "<%%ranks cell \d+>", line 3, in <module>\n'
+                     r"\[rank 1\]     ctypes.string_at\(0\)", err.traceback), err.traceback
+    assert pool.run("rank") == {0: "0", 1: "1"}  # a new pool
 
 
 def test_a_strategy_that_means_another_start_method_is_refused(pool):

@@ -114,6 +114,13 @@ def fail_on(ctx, mode, rank=1, after=0.0):
             os._exit(3)
         if mode == "hang":
             time.sleep(3600)
+        if mode == "segfault":  # a crash in native code
+            import ctypes
+            ctypes.string_at(0)
+        if mode == "mismatch":  # a collective larger than the others' (gloo aborts them)
+            t = torch.ones(1000)
+        if mode == "alone":  # a collective the others never run
+            dist.all_reduce(t)
     dist.all_reduce(t)  # the healthy ranks wait here for the failed one
     return ctx.rank
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import linecache
 import signal
 import sys
 import time
@@ -165,6 +166,9 @@ class RankPool:
             raise TypeError(f"pool.run() takes code as a string; got {type(code).__name__}.")
         self._cells += 1
         command = Exec(code, f"<%%ranks cell {self._cells}>")
+        # the kernel's copy too: the stack a rank writes as it dies names only the line
+        linecache.cache[command.filename] = (len(code), None, code.splitlines(True),
+                                             command.filename)
         op = self._command(ranks, command, "cell", timeout)
         return {r: decode_value(w.result).repr for r, w in sorted(op.workers.items())}
 

@@ -20,11 +20,12 @@ import signal
 import time
 from collections.abc import Callable
 
-from ..errors import WorkerError
+from ..errors import WorkerError, cell_names
 from ..wire import first_line, label
+from .failures import Failure, exit_failure
 from .launcher import WorkerHandle
 from .supervisor import Follower
-from .watch import Failure, RankState, exit_failure
+from .watch import RankState
 
 INTERRUPT_GRACE_S = 3.0  # after SIGINT, how long busy ranks get to reply
 RESEND_S = 0.25  # SIGINT again to ranks that have not replied yet
@@ -179,6 +180,6 @@ def _stat(pid: int) -> tuple[str, int] | None:
 
 def cell_error(failures: dict[int, Failure], note: str) -> RankCellError:
     hints = {f.hint for f in failures.values() if f.hint}
-    return RankCellError({r: (f.exc_type, f.message, f.traceback)
+    return RankCellError({r: (f.exc_type, f.message, cell_names(f.traceback))
                           for r, f in sorted(failures.items())},
                          "\n".join([*sorted(hints), note]).strip())

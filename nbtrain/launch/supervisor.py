@@ -12,12 +12,14 @@ import threading
 import time
 
 from ..wire import Activity
+from .failures import Failure, exit_failure
 from .launcher import WorkerHandle
-from .watch import Failure, RankState, Watch, exit_failure
+from .watch import RankState, Watch
 
 FAILURE_GRACE_S = 0.25  # after a first failure, wait this long for the root cause to report
 TERM_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
 DRAIN_S = 1.0  # after exits, how long to wait for the last output lines
+STACKS_S = 0.5  # at most this long for the ranks still running to write their stacks
 
 
 class Follower:
@@ -115,20 +117,28 @@ class Supervisor(Follower):
     def follow(self) -> None:
         watch = self.watch
         term_sent_at: float | None = None
+        stacks_asked_at: float | None = None
         while watch.alive():
             now = time.monotonic()
             self.notice(now)
             if self.teardown_cause is None:
                 self.teardown_due(now, self._failed(now))
-            if self.teardown_cause is not None:
-                if term_sent_at is None:
+            if self.teardown_cause is not None and term_sent_at is None:
+                if stacks_asked_at is None:
+                    # where the ranks still running are, for the error or the stop (a
+                    # collective one rank ran alone, a hang): their stacks, then the end
+                    stacks_asked_at = now
+                    watch.ask_stacks(watch.busy())
+                if stacks_asked_at is None or watch.stacks_read() or \
+                        now - stacks_asked_at >= STACKS_S:
                     watch.signal_alive(signal.SIGTERM)
                     term_sent_at = now
-                elif now - term_sent_at > TERM_GRACE_S:
-                    watch.signal_alive(signal.SIGKILL)
+            elif term_sent_at is not None and now - term_sent_at > TERM_GRACE_S:
+                watch.signal_alive(signal.SIGKILL)
             for w in watch.wait(self.timeout(now)):
                 self._exited(w)
         watch.drain_to_end(DRAIN_S)
+        watch.conclude()
 
     def _failed(self, now: float) -> bool:
         """A rank failed, and its root cause had time to report: a communication error is

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import selectors
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
-from ..errors import signal_hint, signal_name
+from ..errors import signal_name
 from ..wire import (
     ACTIVITY,
     AT_STORE,
@@ -23,10 +23,13 @@ from ..wire import (
     JOINED,
     STORE,
     Activity,
+    Frame,
     decode_activity,
     decode_failure,
 )
+from .failures import Failure, exit_failure, explain_alone, reported_failure
 from .launcher import WorkerHandle
+from .stacks import FATAL, Dump
 
 # A rank that has not joined its process group this long after the start is named, with
 # its Python stack, and the start fails (a fork once copied a held lock into a rank,
@@ -38,24 +41,6 @@ STACK_WAIT_S = 1.0  # after SIGUSR1, how long a late rank gets to print its stac
 # its Python stack (once): a silent wait looks like a hang (a rank stuck in a collective
 # the others left, or a slow teardown).
 STRAGGLER_S = 30.0
-
-_COMM_ERROR = re.compile(r"gloo|nccl|connection (closed|reset) by peer|broken pipe|"
-                         r"DistBackendError|DistNetworkError|DistStoreError|Socket Timeout",
-                         re.IGNORECASE)
-
-
-@dataclass
-class Failure:
-    rank: int
-    exc_type: str
-    message: str
-    traceback: str
-    t: float
-    # Not the root cause: a communication error caused by another rank's death, or the
-    # KeyboardInterrupt of a rank that nbtrain interrupted.
-    secondary: bool = False
-    hint: str = ""
-
 
 @dataclass
 class RankState:
@@ -69,6 +54,9 @@ class RankState:
     at_store: bool = False  # it reached rank 0's store (wire.AT_STORE)
     joined: bool = False  # its process group is up (wire.JOINED)
     stack: list[str] | None = None  # stderr lines since it was asked for its stack
+    dying: list[str] | None = None  # the stack it wrote as it died in native code
+    last_err: deque[str] = field(default_factory=lambda: deque(maxlen=8))  # before that
+    where: Frame | None = None  # where its function was when it was ended (if asked)
     activity: Activity | None = None  # what its function did
     partial: dict[str, str] = field(default_factory=lambda: {"out": "", "err": ""})
 
@@ -171,10 +159,7 @@ class Watch:
             return
         if self._stacks_asked_at is None:
             self._stacks_asked_at = now
-            for w in late:
-                w.stack = []
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(w.handle.pid, signal.SIGUSR1)
+            self.ask_stacks(late)
             return
         if now - self._stacks_asked_at < STACK_WAIT_S:
             return
@@ -197,6 +182,32 @@ class Watch:
                      "start hangs again, the stack above says where: please report it with "
                      "that stack.")
         self.join_deadline = None
+
+    def ask_stacks(self, ranks: list[RankState]) -> None:
+        """SIGUSR1: each rank writes every thread's Python stack to its stderr, which is
+        kept in ``stack`` from now on rather than shown."""
+        for w in ranks:
+            w.stack = []
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.handle.pid, signal.SIGUSR1)
+
+    def stacks_read(self) -> bool:
+        """Whether every rank asked for its stack has written its function's thread."""
+        return all(Dump.parse(w.stack).complete() for w in self.workers.values()
+                   if w.stack is not None and w.failure is None)
+
+    def conclude(self) -> None:
+        """Once every rank has ended and its last lines are read: where each rank asked
+        for its stack (and not failed) was (``where``), and a communication error whose
+        peers had all returned is explained (they left; it ran a collective they did
+        not)."""
+        for w in self.workers.values():
+            if w.stack is not None and w.failure is None:
+                w.where = Dump.parse(w.stack).where()
+        failures = self.failures
+        if len(failures) == 1:
+            explain_alone(failures[0], [r for r, w in self.workers.items()
+                                        if w.result is not None], len(self.workers))
 
     def name_stragglers(self, now: float) -> None:
         """Once, ``STRAGGLER_S`` after the first result: name each rank still running,
@@ -242,12 +253,8 @@ class Watch:
             if tag == ACTIVITY:
                 w.activity = decode_activity(data)
             elif tag == FAILURE:
-                body = decode_failure(data)
-                text = f"{body.type}: {body.message}\n{body.traceback}"
-                interrupted = w.rank in self.interrupted and body.type == "KeyboardInterrupt"
-                w.failure = Failure(w.rank, body.type, body.message, body.traceback,
-                                    time.monotonic(), hint=body.hint,
-                                    secondary=interrupted or bool(_COMM_ERROR.search(text)))
+                w.failure = reported_failure(w.rank, decode_failure(data),
+                                             w.rank in self.interrupted)
         except ValueError as err:  # not nbtrain's message: the rank's failure, said as such
             w.failure = Failure(w.rank, "MalformedMessage", str(err), "", time.monotonic(),
                                 hint="nbtrain's rank and kernel disagree on the wire; are "
@@ -274,15 +281,22 @@ class Watch:
         text = w.partial[stream] + data.decode("utf-8", errors="replace")
         *lines, w.partial[stream] = text.split("\n")
         for line in lines:
-            if w.stack is not None and stream == "err":  # its stack goes into its failure
+            if stream == "err" and (w.dying is not None or line.startswith(FATAL)):
+                w.dying = [*(w.dying or []), line]  # goes into its failure (_flush_all)
+            elif w.stack is not None and stream == "err":  # its stack goes into its failure
                 w.stack.append(line)
             else:
+                if stream == "err":
+                    w.last_err.append(line)
                 self.emit(w.rank, stream, line)
         return True
 
     def _flush_partial(self, w: RankState, stream: str) -> None:
         if w.partial[stream]:
-            self.emit(w.rank, stream, w.partial[stream])
+            if stream == "err" and w.dying is not None:
+                w.dying.append(w.partial[stream])
+            else:
+                self.emit(w.rank, stream, w.partial[stream])
             w.partial[stream] = ""
 
     def drain_to_end(self, within: float) -> None:
@@ -311,9 +325,23 @@ class Watch:
         self._flush_all()
 
     def _flush_all(self) -> None:
+        """Emit partial lines; the stack a rank wrote as it died goes into its failure
+        (or, if it has none, to the cell, so nothing it said is lost)."""
         for w in self.workers.values():
             for stream in ("out", "err"):
                 self._flush_partial(w, stream)
+            if w.dying is None:
+                continue
+            failure = w.failure
+            if failure is not None and w.exitcode is not None and w.exitcode < 0 and \
+                    failure.exc_type == signal_name(-w.exitcode) and not failure.traceback:
+                w.failure = exit_failure(w.rank, w.exitcode, dying=w.dying,
+                                         before=list(w.last_err))
+                w.failure.t = failure.t
+            else:
+                for line in w.dying:
+                    self.emit(w.rank, "err", line)
+            w.dying = None
 
     # -- ending --------------------------------------------------------------------------
     def signal_alive(self, sig: int) -> None:
@@ -353,20 +381,6 @@ class Watch:
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-def exit_failure(rank: int, exitcode: int, exit_hint: str = "") -> Failure:
-    """A rank that exited without a report: killed by a signal, or an exit code (code 1:
-    ``exit_hint``, what its launcher says that usually means)."""
-    if exitcode < 0:
-        sig = -exitcode
-        return Failure(rank, signal_name(sig),
-                       f"rank {rank} was killed by {signal_name(sig)} (signal {sig}) "
-                       "without a Python traceback", "", time.monotonic(),
-                       hint=signal_hint(sig))
-    return Failure(rank, "WorkerExit", f"rank {rank} exited with code {exitcode} before "
-                   "returning (os._exit() or a crash in native code?)", "", time.monotonic(),
-                   hint=exit_hint if exitcode == 1 else "")
 
 
 def _poll(conn) -> bool:

@@ -48,6 +48,7 @@ def _bootstrap_stacks() -> None:
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
 
 
 class CallWithoutCtx:

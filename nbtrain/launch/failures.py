@@ -1,0 +1,70 @@
+"""How each way a rank ends reads as a ``Failure``: the exception it reported, a signal
+or an exit code, a death in native code (with the stack it wrote as it died,
+``stacks.py``), and a communication error that was the rank's own doing."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+from ..errors import peers_returned_hint, signal_hint, signal_name
+from ..wire import RankFailure
+from .stacks import Dump, native_message
+
+_COMM_ERROR = re.compile(r"gloo|nccl|connection (closed|reset) by peer|broken pipe|"
+                         r"DistBackendError|DistNetworkError|DistStoreError|Socket Timeout",
+                         re.IGNORECASE)
+
+
+@dataclass
+class Failure:
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str
+    t: float
+    # Not the root cause: a communication error caused by another rank's death, or the
+    # KeyboardInterrupt of a rank that nbtrain interrupted.
+    secondary: bool = False
+    hint: str = ""
+
+
+def reported_failure(rank: int, body: RankFailure, interrupted: bool) -> Failure:
+    """The exception a rank reported; ``interrupted``: nbtrain interrupted the rank."""
+    text = f"{body.type}: {body.message}\n{body.traceback}"
+    return Failure(rank, body.type, body.message, body.traceback, time.monotonic(),
+                   hint=body.hint,
+                   secondary=(interrupted and body.type == "KeyboardInterrupt")
+                   or bool(_COMM_ERROR.search(text)))
+
+
+def exit_failure(rank: int, exitcode: int, exit_hint: str = "",
+                 dying: list[str] | None = None, before: list[str] = ()) -> Failure:
+    """A rank that exited without a report: killed by a signal, or an exit code (code 1:
+    ``exit_hint``, what its launcher says that usually means). ``dying``: the stack it
+    wrote as a fatal signal killed it, ``before``: its last stderr lines before that
+    (what native code said)."""
+    if exitcode < 0:
+        sig = -exitcode
+        name = f"{signal_name(sig)} (signal {sig})"
+        if not dying:
+            return Failure(rank, signal_name(sig), f"rank {rank} was killed by {name} "
+                           "without a Python traceback", "", time.monotonic(),
+                           hint=signal_hint(sig))
+        native = native_message(list(before))
+        return Failure(rank, signal_name(sig),
+                       f"rank {rank} was killed by {name} in native code"
+                       + (f": {native}" if native else ""),
+                       Dump.parse(dying).traceback() or "\n".join(dying), time.monotonic(),
+                       hint=signal_hint(sig, native))
+    return Failure(rank, "WorkerExit", f"rank {rank} exited with code {exitcode} before "
+                   "returning (os._exit() or a crash in native code?)", "", time.monotonic(),
+                   hint=exit_hint if exitcode == 1 else "")
+
+
+def explain_alone(failure: Failure, returned: list[int], world_size: int) -> None:
+    """The only failure of a run, a communication error, while every other rank had
+    returned: not a peer's death but a collective this rank ran and they did not."""
+    if failure.secondary and not failure.hint and len(returned) == world_size - 1:
+        failure.secondary, failure.hint = False, peers_returned_hint(failure.rank, returned)

@@ -1,0 +1,115 @@
+"""A rank's Python stack as ``faulthandler`` writes it to the rank's stderr, read in the
+kernel: when a rank asked with SIGUSR1 answers (where it waits), and when a rank dies in
+native code (SIGABRT from gloo's "collective mismatch", SIGSEGV in a C extension:
+``faulthandler.enable`` in each rank writes its stack before it dies, where Python's own
+traceback never comes).
+
+``Dump`` parses the text: one block per Python thread, innermost frame first. The thread
+that matters is the one that runs the user's function (its outermost frames are nbtrain's
+rank bootstrap, ``nbtrain/rank/``); ``traceback()`` writes that thread the way Python
+writes a traceback (outermost first, from the user's function on), so the kernel's cell
+names and source lines fill in as they do for a rank's exception (``errors.cell_names``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sysconfig
+from dataclasses import dataclass, field
+
+from ..wire import Frame
+
+FATAL = "Fatal Python error:"  # the first line of a dump written as the rank dies
+_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+_RANK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rank")
+_PACKAGE_DIR = os.path.dirname(_RANK_DIR)
+
+
+@dataclass
+class Dump:
+    """One ``faulthandler`` dump: ``fatal`` is its first line when the rank was dying
+    (``Fatal Python error: Aborted``), and each thread's frames, innermost first."""
+
+    fatal: str = ""
+    threads: list[list[Frame]] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, lines: list[str]) -> Dump:
+        dump = cls()
+        for line in lines:
+            if line.startswith(FATAL):
+                dump.fatal = line[len(FATAL):].strip()
+            elif _THREAD.match(line):
+                dump.threads.append([])
+            elif (m := _FRAME.match(line)) and dump.threads:
+                dump.threads[-1].append(Frame(m.group(1), int(m.group(2)), m.group(3)))
+        return dump
+
+    def function_frames(self) -> list[Frame]:
+        """The thread that runs the rank's function, outermost frame first, from the
+        first frame after nbtrain's rank bootstrap (empty when no thread runs one)."""
+        for frames in self.threads:
+            outermost_first = frames[::-1]
+            ours = [i for i, f in enumerate(outermost_first) if _in_rank_code(f.filename)]
+            if ours and ours[-1] + 1 < len(outermost_first):
+                return outermost_first[ours[-1] + 1:]
+        return []
+
+    def traceback(self) -> str:
+        """That thread as Python writes a traceback (no source lines: the kernel adds
+        them); empty when no thread ran the rank's function."""
+        frames = self.function_frames()
+        if not frames:
+            return ""
+        return "Traceback (most recent call last):\n" + "".join(
+            f'  File "{f.filename}", line {f.lineno}, in {f.name}\n' for f in frames)
+
+    def where(self) -> Frame | None:
+        """Where the rank's function was: the innermost frame of its thread in the user's
+        own code, else in a library's (a function that came from a package); None when
+        only nbtrain's own code and the standard library's were running (its function
+        had already returned or raised)."""
+        frames = self.function_frames()
+        for accept in (_users, _not_ours):
+            for f in reversed(frames):
+                if accept(f.filename):
+                    return f
+        return None
+
+    def complete(self) -> bool:
+        """Whether the thread that runs the rank's function has been read to its end."""
+        return bool(self.function_frames())
+
+
+def _in_rank_code(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_RANK_DIR + os.sep)
+
+
+_LIBRARY_DIRS = tuple({os.path.abspath(p) + os.sep for key in ("stdlib", "platstdlib",
+                                                              "purelib", "platlib")
+                       if (p := sysconfig.get_paths().get(key))} | {_PACKAGE_DIR + os.sep})
+
+
+def _not_ours(filename: str) -> bool:
+    """A library's file, not nbtrain's or the standard library's."""
+    return "site-packages" in filename and not os.path.abspath(filename).startswith(
+        _PACKAGE_DIR + os.sep)
+
+
+def _users(filename: str) -> bool:
+    if filename.startswith("<") and not filename.startswith("<ipython-input"):
+        return False  # <frozen ...>, <string>
+    path = os.path.abspath(filename)
+    return not path.startswith(_LIBRARY_DIRS) and "site-packages" not in path
+
+
+def native_message(lines: list[str]) -> str:
+    """What native code printed before the rank died: the C++ exception's ``what():``
+    (gloo's enforce failures, c10 errors) or, failing that, the last line printed."""
+    texts = [line.strip() for line in lines if line.strip()]
+    for text in reversed(texts):
+        if text.startswith("what():"):
+            return text[len("what():"):].strip()
+    return texts[-1] if texts else ""

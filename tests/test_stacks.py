@@ -1,0 +1,77 @@
+"""Reading the stacks ranks write with faulthandler (``launch/stacks.py``): as they die in
+native code, and when asked where they are (the real runs are in test_launch.py)."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+
+import nbtrain
+from nbtrain.errors import where_text
+from nbtrain.launch.stacks import Dump, native_message
+
+RANK = os.path.join(os.path.dirname(nbtrain.__file__), "rank", "worker.py")
+OURS = os.path.join(os.path.dirname(nbtrain.__file__), "telemetry", "timing.py")
+STDLIB = os.path.join(sysconfig.get_paths()["stdlib"], "threading.py")
+TORCH = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+CELL = "/tmp/ipykernel_77/3141.py"
+
+
+def dump(main: list[tuple[str, int, str]], fatal: bool = True) -> list[str]:
+    """A dump as faulthandler writes it: a helper thread, then the main thread, each
+    innermost frame first."""
+    lines = ["Fatal Python error: Aborted", ""] if fatal else []
+    lines += ["Thread 0x00007f303c8136c0 (most recent call first):",
+              f'  File "{STDLIB}", line 331 in wait',
+              f'  File "{STDLIB}", line 1002 in _bootstrap', "",
+              "Current thread 0x00007f305f3fbb80 (most recent call first):"]
+    lines += [f'  File "{f}", line {n} in {name}' for f, n, name in main]
+    return lines + ["", "Extension modules: torch._C (total: 1)"]
+
+
+STACK = [(OURS, 100, "wait"), (TORCH, 4394, "all_gather_single"), (CELL, 9, "train"),
+         (RANK, 231, "execute"), (RANK, 68, "main"), (CELL, 18, "<module>")]
+
+
+def test_the_dump_of_a_dying_rank_reads_as_a_traceback_from_its_function_on():
+    parsed = Dump.parse(dump(STACK))
+    assert parsed.fatal == "Aborted" and len(parsed.threads) == 2
+    # the bootstrap and the kernel's frames that a fork copied are left out
+    assert parsed.traceback() == (
+        "Traceback (most recent call last):\n"
+        f'  File "{CELL}", line 9, in train\n'
+        f'  File "{TORCH}", line 4394, in all_gather_single\n'
+        f'  File "{OURS}", line 100, in wait\n')
+    assert parsed.where().lineno == 9 and parsed.where().name == "train"
+
+
+def test_where_a_rank_was_prefers_the_users_code_then_a_librarys():
+    in_library = [(OURS, 100, "wait"), (TORCH, 3252, "all_reduce"), (RANK, 231, "execute")]
+    assert Dump.parse(dump(in_library, fatal=False)).where().name == "all_reduce"
+    # only nbtrain's and the standard library's code: its function had ended
+    ending = [(STDLIB, 137, "updatecache"), (OURS, 73, "hosted"), (RANK, 231, "execute")]
+    assert Dump.parse(dump(ending, fatal=False)).where() is None
+
+
+def test_a_dump_cut_short_has_no_function_thread_yet():
+    lines = dump(STACK)
+    cut = lines[:lines.index(f'  File "{CELL}", line 9 in train') + 1]
+    assert not Dump.parse(cut).complete() and Dump.parse(cut).traceback() == ""
+    assert Dump.parse(lines).complete()
+
+
+def test_what_native_code_said_is_its_exception_or_its_last_line():
+    said = ["some output", "terminate called after throwing an instance of 'gloo::X'",
+            "  what():  [enforce fail at pair.cc:456] Is there a collective mismatch?"]
+    assert native_message(said) == "[enforce fail at pair.cc:456] Is there a collective mismatch?"
+    assert native_message(["first", "CUDA error: an illegal memory access", " "]) == \
+        "CUDA error: an illegal memory access"
+    assert native_message([]) == ""
+
+
+def test_ranks_at_the_same_line_are_named_together():
+    where = {0: "a.py, line 1, in f: x()", 1: "a.py, line 1, in f: x()", 2: "",
+             3: "b.py, line 2, in g: y()"}
+    assert where_text(where) == ("where the ranks were: ranks 0, 1 at a.py, line 1, in f: "
+                                 "x(); rank 3 at b.py, line 2, in g: y()")
+    assert where_text({0: "", 1: ""}) == ""
