@@ -106,7 +106,8 @@ def test_what_a_killed_rank_logged_before_its_checkpoint_reaches_the_kernel(
         monkeypatch, tmp_path):
     """Every rank puts its telemetry on the wire when a checkpoint is written: rank 1,
     SIGKILLed at step 20 with a sender that would not have sent for half a minute, still
-    delivered every loss up to the checkpoint of step 18; the restart replays the rest.
+    delivered every loss and step time up to the checkpoint of step 18; the restart
+    replays the rest.
     (CI once lost two steps this way, a sender's 50 ms tick behind.)"""
     from nbtrain.telemetry.client import TelemetryClient
 
@@ -123,6 +124,9 @@ def test_what_a_killed_rank_logged_before_its_checkpoint_reaches_the_kernel(
     assert run.results[0]["first"] == 18
     for rank in (0, 1):
         assert sorted(dict(run.history.metric("loss", rank))) == list(range(48)), rank
+        # every step's time too, the step the checkpoint ended included (steps 18 and 19
+        # twice: the restart replays them)
+        assert {e.step for e in run.history.events("step", rank)} == set(range(48)), rank
 
 
 def test_checkpoint_every_in_a_loop_without_a_loader(tmp_path):

@@ -137,7 +137,13 @@ class Recorder:
     def checkpoint(self, step: int, path: str, report: bool = True) -> None:
         """Every rank finished writing the checkpoint at ``path``: ``report`` (rank 0)
         says so. What each rank sent before it goes on the wire now, before the rank can
-        die: a restart resumes from here, and replays only the steps after it."""
+        die: a restart resumes from here, and replays only the steps after it. With
+        ``ctx.dataloader``, the step the save ends (saves are at step boundaries) is
+        closed first: it went out only when the next batch began, and a rank that died
+        before the next flush took it along (a gap in the step-time chart)."""
+        if self._batches_seen:
+            self._close_step(time.monotonic())
+            self._last = None  # what follows until the next batch is not a step
         if report:
             self.client.send(Checkpoint(rank=self.rank, step=step, t=time.monotonic(),
                                         path=path))
