@@ -142,6 +142,31 @@ def test_a_crash_in_native_code_shows_the_line_each_rank_ran():
         err.others[0]), err.others
 
 
+def child_crashes(ctx):
+    """A child of the rank (as a DataLoader worker would) dies of a segfault, writing its
+    dump to the rank's stderr; the rank goes on."""
+    subprocess.run([sys.executable, "-X", "faulthandler", "-c",
+                    "import ctypes; ctypes.string_at(0)"], check=False)
+    print("the rank goes on", file=sys.stderr, flush=True)
+    time.sleep(60)
+
+
+def test_a_childs_crash_dump_is_shown_as_it_comes_and_the_rank_goes_on(capsys):
+    """Not held back as the rank's own death: the dump and what follows reach the cell
+    while the rank runs, in order."""
+    run = nbtrain.launch(child_crashes, devices=2, dashboard=False, background=True)
+    err, deadline = "", time.monotonic() + 60
+    while err.count("the rank goes on") < 2 and time.monotonic() < deadline:
+        err += capsys.readouterr().err
+        time.sleep(0.05)
+    assert not run.done
+    run.stop()
+    for rank in (0, 1):
+        dump = err.index(f"[rank {rank}] Fatal Python error: Segmentation fault")
+        assert dump < err.index(f"[rank {rank}] the rank goes on"), err
+        assert f'[rank {rank}]   File "<string>", line 1 in <module>' in err
+
+
 def test_ranks_that_run_different_collectives_are_told_so_and_not_restarted():
     run = nbtrain.launch(fail_on, "mismatch", devices=2, dashboard=False, max_restarts=1,
                          background=True)

@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 from ..wire import Frame
 
 FATAL = "Fatal Python error:"  # the first line of a dump written as the rank dies
+# Every other line such a dump has (Python 3.10-3.13): what does not match ends it.
+_DUMP_LINE = re.compile(r'^(\s*$|(Current thread|Thread) 0x|Stack \(most recent call first\)|'
+                        r'  File "|  <no Python frame>|  \.\.\.|Extension modules:|'
+                        r"Python runtime state:)")
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _RANK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rank")
@@ -81,6 +85,11 @@ class Dump:
     def complete(self) -> bool:
         """Whether the thread that runs the rank's function has been read to its end."""
         return bool(self.function_frames())
+
+
+def in_dump(line: str) -> bool:
+    """Whether ``line`` can be part of a faulthandler dump after its first line."""
+    return bool(_DUMP_LINE.match(line))
 
 
 def _in_rank_code(filename: str) -> bool:

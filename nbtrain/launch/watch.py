@@ -29,7 +29,7 @@ from ..wire import (
 )
 from .failures import Failure, exit_failure, explain_alone, reported_failure
 from .launcher import WorkerHandle
-from .stacks import FATAL, Dump
+from .stacks import FATAL, Dump, in_dump
 
 # A rank that has not joined its process group this long after the start is named, with
 # its Python stack, and the start fails (a fork once copied a held lock into a rank,
@@ -281,9 +281,15 @@ class Watch:
         text = w.partial[stream] + data.decode("utf-8", errors="replace")
         *lines, w.partial[stream] = text.split("\n")
         for line in lines:
-            if stream == "err" and (w.dying is not None or line.startswith(FATAL)):
+            if stream == "err" and line.startswith(FATAL):
+                self._emit_dump(w)  # a dump before this one (a child's) was not its death
+            if stream == "err" and (line.startswith(FATAL) or
+                                    (w.dying is not None and in_dump(line))):
                 w.dying = [*(w.dying or []), line]  # goes into its failure (_flush_all)
-            elif w.stack is not None and stream == "err":  # its stack goes into its failure
+                continue
+            if stream == "err" and w.dying is not None:  # it goes on: a child's dump
+                self._emit_dump(w)  # (a DataLoader worker's), not its own death
+            if w.stack is not None and stream == "err":  # its stack goes into its failure
                 w.stack.append(line)
             else:
                 if stream == "err":
@@ -339,9 +345,14 @@ class Watch:
                                          before=list(w.last_err))
                 w.failure.t = failure.t
             else:
-                for line in w.dying:
-                    self.emit(w.rank, "err", line)
+                self._emit_dump(w)
             w.dying = None
+
+    def _emit_dump(self, w: RankState) -> None:
+        """A dump that was not the rank's death (nothing it wrote is lost)."""
+        for line in w.dying or []:
+            self.emit(w.rank, "err", line)
+        w.dying = None
 
     # -- ending --------------------------------------------------------------------------
     def signal_alive(self, sig: int) -> None:
