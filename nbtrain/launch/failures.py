@@ -63,6 +63,19 @@ def exit_failure(rank: int, exitcode: int, exit_hint: str = "",
                    hint=exit_hint if exitcode == 1 else "")
 
 
+def with_stack(failure: Failure | None, exitcode: int | None, dying: list[str],
+               before: list[str]) -> Failure | None:
+    """The failure of a rank a signal killed, remade with the stack it wrote as it died
+    (``dying``); None when that dump was not its death (it reported its own failure, or
+    was ended by nbtrain)."""
+    if failure is None or exitcode is None or exitcode >= 0 or failure.traceback or \
+            failure.exc_type != signal_name(-exitcode):
+        return None
+    made = exit_failure(failure.rank, exitcode, dying=dying, before=before)
+    made.t = failure.t
+    return made
+
+
 def explain_alone(failure: Failure, returned: list[int], world_size: int) -> None:
     """The only failure of a run, a communication error, while every other rank had
     returned: not a peer's death but a collective this rank ran and they did not."""

@@ -15,7 +15,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..errors import signal_name
 from ..wire import (
     ACTIVITY,
     AT_STORE,
@@ -27,7 +26,7 @@ from ..wire import (
     decode_activity,
     decode_failure,
 )
-from .failures import Failure, exit_failure, explain_alone, reported_failure
+from .failures import Failure, explain_alone, reported_failure, with_stack
 from .launcher import WorkerHandle
 from .stacks import FATAL, Dump, in_dump
 
@@ -338,15 +337,10 @@ class Watch:
                 self._flush_partial(w, stream)
             if w.dying is None:
                 continue
-            failure = w.failure
-            if failure is not None and w.exitcode is not None and w.exitcode < 0 and \
-                    failure.exc_type == signal_name(-w.exitcode) and not failure.traceback:
-                w.failure = exit_failure(w.rank, w.exitcode, dying=w.dying,
-                                         before=list(w.last_err))
-                w.failure.t = failure.t
-            else:
+            native = with_stack(w.failure, w.exitcode, w.dying, list(w.last_err))
+            if native is None:
                 self._emit_dump(w)
-            w.dying = None
+            w.failure, w.dying = native or w.failure, None
 
     def _emit_dump(self, w: RankState) -> None:
         """A dump that was not the rank's death (nothing it wrote is lost)."""
