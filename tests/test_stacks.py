@@ -45,9 +45,24 @@ def test_the_dump_of_a_dying_rank_reads_as_a_traceback_from_its_function_on():
     assert parsed.where().lineno == 9 and parsed.where().name == "train"
 
 
+def test_a_dump_of_one_thread_alone_reads_the_same():
+    """faulthandler heads the stack with "Stack (most recent call first):" when it writes
+    one thread (``all_threads=False``, and some fatal errors)."""
+    lines = ["Fatal Python error: Segmentation fault", "", "Stack (most recent call first):",
+             *[f'  File "{f}", line {n} in {name}' for f, n, name in STACK]]
+    assert Dump.parse(lines).where().name == "train"
+
+
 def test_where_a_rank_was_prefers_the_users_code_then_a_librarys():
     in_library = [(OURS, 100, "wait"), (TORCH, 3252, "all_reduce"), (RANK, 231, "execute")]
     assert Dump.parse(dump(in_library, fatal=False)).where().name == "all_reduce"
+    # Colab's torch is in Debian's dist-packages
+    colab = TORCH.replace("/venv/lib/python3.11/site-packages", "/usr/local/lib/python3.12/"
+                          "dist-packages")
+    in_colab = [(colab, 3252, "all_reduce"), (CELL, 9, "train"), (RANK, 231, "execute")]
+    assert Dump.parse(dump(in_colab, fatal=False)).where().name == "train"
+    in_colab_library = [(colab, 3252, "all_reduce"), (RANK, 231, "execute")]
+    assert Dump.parse(dump(in_colab_library, fatal=False)).where().name == "all_reduce"
     # only nbtrain's and the standard library's code: its function had ended
     ending = [(STDLIB, 137, "updatecache"), (OURS, 73, "hosted"), (RANK, 231, "execute")]
     assert Dump.parse(dump(ending, fatal=False)).where() is None

@@ -25,7 +25,7 @@ FATAL = "Fatal Python error:"  # the first line of a dump written as the rank di
 _DUMP_LINE = re.compile(r'^(\s*$|(Current thread|Thread) 0x|Stack \(most recent call first\)|'
                         r'  File "|  <no Python frame>|  \.\.\.|Extension modules:|'
                         r"Python runtime state:)")
-_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
+_THREAD = re.compile(r"^((Current thread|Thread) 0x[0-9a-fA-F]+|Stack \(most recent call first\))")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _RANK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rank")
 _PACKAGE_DIR = os.path.dirname(_RANK_DIR)
@@ -101,9 +101,12 @@ _LIBRARY_DIRS = tuple({os.path.abspath(p) + os.sep for key in ("stdlib", "platst
                        if (p := sysconfig.get_paths().get(key))} | {_PACKAGE_DIR + os.sep})
 
 
+_INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")  # dist-: Debian's (Colab's)
+
+
 def _not_ours(filename: str) -> bool:
     """A library's file, not nbtrain's or the standard library's."""
-    return "site-packages" in filename and not os.path.abspath(filename).startswith(
+    return bool(_INSTALLED.search(filename)) and not os.path.abspath(filename).startswith(
         _PACKAGE_DIR + os.sep)
 
 
@@ -111,7 +114,7 @@ def _users(filename: str) -> bool:
     if filename.startswith("<") and not filename.startswith("<ipython-input"):
         return False  # <frozen ...>, <string>
     path = os.path.abspath(filename)
-    return not path.startswith(_LIBRARY_DIRS) and "site-packages" not in path
+    return not path.startswith(_LIBRARY_DIRS) and not _INSTALLED.search(path)
 
 
 def native_message(lines: list[str]) -> str:
