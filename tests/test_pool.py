@@ -123,6 +123,10 @@ def test_a_timeout_names_the_rank_stuck_in_a_collective_and_the_pool_restarts(po
     assert "workers were ended" in str(info.value)
     # seen asleep in the collective, not waited out for INTERRUPT_GRACE_S
     assert "did not answer an interrupt and slept without CPU time" in str(info.value)
+    # where it waited: its stack, asked before it was interrupted, read in the cell
+    assert re.fullmatch(r"<%%ranks cell \d+>, line 2, in <module>: dist.barrier\(\)",
+                        info.value.where[0]), info.value.where
+    assert "rank 0: still running, at <%%ranks cell" in str(info.value)
     assert pool.status.ended and not any(r["alive"] for r in pool.status)
     assert pool.run("rank") == {0: "0", 1: "1"}  # started again
     assert pool.started == 2
@@ -165,6 +169,31 @@ def _gone(pool, rank: int) -> None:
         time.sleep(0.01)
 
 
+def test_an_interrupted_cell_says_where_each_rank_was(pool):
+    """An interrupt in the wait (a kernel's SIGINT): the ranks are asked where they are
+    before they are interrupted; one stuck in a collective ends the pool, and the cell's
+    KeyboardInterrupt names the line of each."""
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a kernel
+    try:
+        for code, stuck in (("import time\ntime.sleep(60)", False),
+                            ("if rank == 1:\n    dist.barrier()", True)):
+            timer = threading.Timer(1.0, signal.raise_signal, (signal.SIGINT,))
+            timer.start()
+            with pytest.raises(KeyboardInterrupt) as info:
+                pool.run(code)
+            timer.join()
+            text = str(info.value)
+            where = (r"where the ranks were: rank 1 at <%%ranks cell \d+>, line 2, in "
+                     r"<module>: dist.barrier\(\)" if stuck else
+                     r"where the ranks were: ranks 0, 1 at <%%ranks cell \d+>, line 2, "
+                     r"in <module>: time.sleep\(60\)")
+            assert re.search(where, text), text
+            assert ("workers were ended: rank 1 did not answer" in text) == stuck, text
+    finally:
+        signal.signal(signal.SIGINT, outer)
+    assert pool.run("rank") == {0: "0", 1: "1"} and pool.started == 2
+
+
 def test_a_rank_killed_between_commands_is_replaced_and_the_next_command_runs(pool,
                                                                              capsys):
     """The pool heals: a rank the OOM killer took while the pool was idle is named in one
@@ -197,10 +226,15 @@ def test_a_failing_launch_raises_worker_error_and_the_next_launch_works(pool):
     assert info.value.rank == 1 and info.value.exc_type == "ValueError"
     # rank 0 waited in an all-reduce for rank 1: the pool had to be ended, and says so
     assert "workers were ended" in str(info.value)
+    line = next(i for i, text in enumerate(open(fail_on.__code__.co_filename), 1)
+                if "the healthy ranks wait here" in text)
+    assert re.fullmatch(rf"rank 0: stopped by nbtrain, at \S*workloads.py, line {line}, "
+                        r"in fail_on: dist.all_reduce\(t\).*", info.value.others[0]), \
+        info.value.others
     assert pool.launch(fail_on, "none", dashboard=False).results == [0, 1]
 
 
-def test_a_background_launch_can_be_stopped_and_the_pool_goes_on(pool):
+def test_a_background_launch_can_be_stopped_and_the_pool_goes_on(pool, capsys):
     run = pool.launch(sleeper, background=True, dashboard=False)
     with pytest.raises(RuntimeError, match="busy"):
         pool.run("1")
@@ -212,6 +246,9 @@ def test_a_background_launch_can_be_stopped_and_the_pool_goes_on(pool):
     run.stop()
     assert time.monotonic() - t < 3.5
     assert run.status == "stopped"
+    assert re.search(r"nbtrain: the run was stopped; where the ranks were: ranks 0, 1 at "
+                     r"\S*workloads.py, line \d+, in sleeper: time.sleep\(seconds\)",
+                     capsys.readouterr().err)
     assert pool.run("rank") == {0: "0", 1: "1"} and pool.started == 1
 
 

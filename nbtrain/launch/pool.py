@@ -31,6 +31,7 @@ from typing import Any
 from ..cells import busy_while_blocking
 from ..plan import DevicePlan
 from ..wire import (
+    CELL_FILE,
     Exec,
     Exit,
     MemoryQuery,
@@ -165,7 +166,7 @@ class RankPool:
         if not isinstance(code, str):
             raise TypeError(f"pool.run() takes code as a string; got {type(code).__name__}.")
         self._cells += 1
-        command = Exec(code, f"<%%ranks cell {self._cells}>")
+        command = Exec(code, CELL_FILE.format(self._cells))
         # the kernel's copy too: the stack a rank writes as it dies names only the line
         linecache.cache[command.filename] = (len(code), None, code.splitlines(True),
                                              command.filename)

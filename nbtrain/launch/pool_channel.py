@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from ..cells import busy_while_blocking
-from ..errors import RunTimeoutError
+from ..errors import RunTimeoutError, places_of, where_text
 from ..wire import Command, encode_command
 from .launcher import interrupts_deferred
 from .pool_op import INTERRUPT_GRACE_S, STUCK_S, PoolOp, cell_error
@@ -163,19 +163,23 @@ class PoolChannel:
             self.finish(op)
         note = self.workers.ended_note()
         failures = {r: w.failure for r, w in op.workers.items() if w.failure}
+        at = places_of(op.workers)  # where the busy ranks were when it was torn down
         if interrupted and (op.interrupted or not failures):
             if not op.interrupted:  # every rank had replied before the interrupt
                 raise KeyboardInterrupt(note)
-            raise KeyboardInterrupt(note or f"interrupted on rank(s) {op.interrupted}; "
-                                    "the pool is still usable")
+            raise KeyboardInterrupt("\n".join(filter(None, [
+                note or f"interrupted on rank(s) {op.interrupted}; the pool is still usable",
+                where_text({r: at[r] for r in op.interrupted})])))
         if op.teardown_cause == "timeout":
             err = RunTimeoutError(timeout, op.timed_out_ranks,
-                                  [r for r in ranks if r not in op.timed_out_ranks])
+                                  [r for r in ranks if r not in op.timed_out_ranks],
+                                  {r: at[r] for r in op.timed_out_ranks})
             err.hint = (err.hint + "\n" + note).strip()
             err.args = (err._text(),)
             raise err
-        if failures:
-            raise cell_error(failures, note)
+        if failures:  # where the ranks it ended were (the others' tracebacks say it)
+            raise cell_error(failures, "\n".join(
+                filter(None, [note, where_text({r: at[r] for r in op.killed})])))
         return op
 
 

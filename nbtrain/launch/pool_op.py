@@ -3,7 +3,8 @@
 exited, and the error a failed cell raises (``RankCellError``).
 
 Teardown differs from a one-shot run's. A failure, a stop (an interrupt) or the
-deadline first sends SIGINT to the ranks still busy, again every ``RESEND_S``; only
+deadline first asks the ranks still busy where they are (their stacks, as a one-shot
+run's supervisor does), then sends them SIGINT, again every ``RESEND_S``; only
 ranks that do not answer get the whole pool ended: a rank stuck in a collective sits in a
 native wait that holds off Python's signal handlers. On CPU ranks that is seen, not
 waited out: a busy rank that sleeps without using the CPU for ``STUCK_S`` after a failure
@@ -24,7 +25,8 @@ from ..errors import WorkerError, cell_names
 from ..wire import first_line, label
 from .failures import Failure, exit_failure
 from .launcher import WorkerHandle
-from .supervisor import Follower
+from .stacks import Dump, in_dump
+from .supervisor import STACKS_S, Follower
 from .watch import RankState
 
 INTERRUPT_GRACE_S = 3.0  # after SIGINT, how long busy ranks get to reply
@@ -58,7 +60,8 @@ class RankCellError(WorkerError):
 class PoolOp(Follower):
     """One command on some of the pool's ranks, followed until each of them replied.
 
-    A failure, a stop or the deadline first interrupts the ranks still busy, and only
+    A failure, a stop or the deadline first asks the ranks still busy for their stacks
+    (each one's ``where``), then interrupts them, and only
     ranks that do not answer (seen asleep without CPU time on CPU ranks, ``watch_cpu``;
     else within ``INTERRUPT_GRACE_S``) get the whole pool ended (``kill_pool``). The
     ranks and their pipes stay the pool's."""
@@ -74,6 +77,7 @@ class PoolOp(Follower):
         self._quiet = Quiet() if watch_cpu else None
         self.stuck = False  # the killed ranks were seen asleep, not only late
         self.interrupted_at: float | None = None
+        self._stacks_asked_at: float | None = None
         self._sigint_at = 0.0
         self.killed: list[int] = []  # ranks that did not answer the interrupt
         self.died: list[int] = []  # ranks that ended before the pool ended them
@@ -89,12 +93,16 @@ class PoolOp(Follower):
 
     def follow(self) -> None:
         watch = self.watch
-        while watch.alive() if self.killed else watch.busy():
-            now = time.monotonic()
+        now = time.monotonic()
+        # A rank that replied as it was asked still writes its stack: read it here, not
+        # in the next command's cell.
+        while (watch.alive() if self.killed else watch.busy()) or self._stacks_due(now):
             self.notice(now)
             self._advance(now)
             for w in watch.wait(self.timeout(now)):
                 self._exited(w)
+            now = time.monotonic()
+        self._read_stacks()
         watch.drain_available()
 
     def _advance(self, now: float) -> None:
@@ -104,6 +112,11 @@ class PoolOp(Follower):
             failed = bool(failures) and (now - failures[0].t >= FAILED_RANK_GRACE_S
                                          or self._asleep(now))
             if self.teardown_due(now, failed):
+                self._stacks_asked_at = now  # where each is, before the interrupt moves it
+                watch.ask_stacks(watch.busy())
+        if self.interrupted_at is None:
+            if self.teardown_cause is not None and not self._stacks_due(now):
+                self._read_stacks()
                 self.interrupted_at = now
                 watch.interrupted.update(w.rank for w in watch.busy())
                 self._interrupt(now)
@@ -115,6 +128,25 @@ class PoolOp(Follower):
                 self._kill_pool()
             elif now - self._sigint_at >= RESEND_S:
                 self._interrupt(now)
+
+    def _stacks_due(self, now: float) -> bool:
+        """Whether stacks were asked for, and some are still to come (within STACKS_S)."""
+        asked = self._stacks_asked_at
+        return asked is not None and any(w.stack is not None for w in self.workers.values()) \
+            and not self.watch.stacks_read() and now - asked < STACKS_S
+
+    def _read_stacks(self) -> None:
+        """Each asked rank's ``where`` from its stack; what else it wrote meanwhile goes to
+        the cell, and so does its stderr from now on (the ranks are the pool's)."""
+        for w in self.workers.values():
+            if w.stack is None:
+                continue
+            if w.failure is None:
+                w.where = Dump.parse(w.stack).where()
+            for line in w.stack:
+                if not in_dump(line):
+                    self.watch.emit(w.rank, "err", line)
+            w.stack = None
 
     def _asleep(self, now: float) -> bool:
         """Whether every busy rank has slept without CPU time for ``STUCK_S``. Asked on

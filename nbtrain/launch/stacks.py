@@ -18,7 +18,7 @@ import re
 import sysconfig
 from dataclasses import dataclass, field
 
-from ..wire import Frame
+from ..wire import CELL_FILE, Frame
 
 FATAL = "Fatal Python error:"  # the first line of a dump written as the rank dies
 # Every other line such a dump has (Python 3.10-3.13): what does not match ends it.
@@ -110,8 +110,11 @@ def _not_ours(filename: str) -> bool:
         _PACKAGE_DIR + os.sep)
 
 
+_CELLS = ("<ipython-input", CELL_FILE.partition("{")[0])  # IPython's old names; %%ranks
+
+
 def _users(filename: str) -> bool:
-    if filename.startswith("<") and not filename.startswith("<ipython-input"):
+    if filename.startswith("<") and not filename.startswith(_CELLS):
         return False  # <frozen ...>, <string>
     path = os.path.abspath(filename)
     return not path.startswith(_LIBRARY_DIRS) and not _INSTALLED.search(path)
