@@ -280,20 +280,27 @@ class Watch:
         text = w.partial[stream] + data.decode("utf-8", errors="replace")
         *lines, w.partial[stream] = text.split("\n")
         for line in lines:
-            if stream == "err" and line.startswith(FATAL):
-                self._emit_dump(w)  # a dump before this one (a child's) was not its death
-            if stream == "err" and (line.startswith(FATAL) or
-                                    (w.dying is not None and in_dump(line))):
-                w.dying = [*(w.dying or []), line]  # goes into its failure (_flush_all)
+            if stream == "err" and self._dying(w, line):
                 continue
-            if stream == "err" and w.dying is not None:  # it goes on: a child's dump
-                self._emit_dump(w)  # (a DataLoader worker's), not its own death
             if w.stack is not None and stream == "err":  # its stack goes into its failure
                 w.stack.append(line)
             else:
                 if stream == "err":
                     w.last_err.append(line)
                 self.emit(w.rank, stream, line)
+        return True
+
+    def _dying(self, w: RankState, line: str) -> bool:
+        """Whether a stderr line is kept for a death's dump (its failure's, ``_flush_all``);
+        one the rank went on after, or another dump followed, was a child's: to the cell."""
+        if line.startswith(FATAL):
+            self._emit_dump(w)
+            w.dying = [line]
+        elif w.dying is not None and in_dump(line):
+            w.dying.append(line)
+        else:
+            self._emit_dump(w)
+            return False
         return True
 
     def _flush_partial(self, w: RankState, stream: str) -> None:
@@ -403,14 +410,10 @@ def _readable(conn) -> bool:
 
 
 def kill_group(pid: int, sig: int) -> None:
-    """Signal a worker and whatever it started (its process group).
-
-    The worker itself is also signalled by pid: a spawned worker becomes a group leader
-    only once its interpreter runs nbtrain's code (the kernel's ``setpgid`` fails after
-    the child's exec), and until then ``killpg`` finds no such group (an interrupted
-    start left such a worker alive). Only while ``pid`` is a live child of this process:
-    once reaped, the number may belong to someone else.
-    """
+    """Signal a worker and whatever it started (its process group), and the worker by pid:
+    a spawned one leads a group only once nbtrain's code runs in it (an interrupted start
+    left one alive that ``killpg`` missed). Only while ``pid`` is a live child of ours:
+    once reaped, the number may be someone else's."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
     try:
