@@ -8,6 +8,13 @@ when it is already loaded.
 
 from __future__ import annotations
 
+# What a RankPool's code is compiled as (tracebacks and stacks name it): the n-th
+# ``pool.run``'s, or the ``%%ranks`` cell of In[n], sent after a blank line so that its
+# lines count as the cell's (the magic's is the first). ``errors.cell_label`` names the
+# latter as IPython names a cell, ``Cell In[n]``.
+POOL_CODE = "<%%ranks cell {}>"
+RANKS_CELL = "<%%ranks In[{}]>"
+
 
 def current() -> int | None:
     """The number of the cell running now, or None outside IPython."""
@@ -16,7 +23,13 @@ def current() -> int | None:
     except ImportError:
         return None
     shell = get_ipython()
-    return getattr(shell, "execution_count", None) if shell is not None else None
+    if shell is None:
+        return None
+    # The running cell's result knows its In[n]; the shell's count is n + 1 by now from
+    # IPython 9 on (n until it ends before that).
+    result = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    number = getattr(result, "execution_count", None)
+    return number if number is not None else getattr(shell, "execution_count", None)
 
 
 def mark_shown(obj) -> None:

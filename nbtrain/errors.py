@@ -14,6 +14,7 @@ import re
 import signal
 import sys
 
+from .cells import RANKS_CELL
 from .cells import current as current_cell
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -147,8 +148,9 @@ class RunStoppedError(RuntimeError):
 
 
 def cell_names(text: str) -> str:
-    """A traceback's text with the files IPython compiles cells to named as IPython names
-    them (``Cell In[5], line 8`` instead of ``File "/tmp/ipykernel_1/1671.py", line 8``),
+    """A traceback's text with the files IPython compiles cells to (and ``%%ranks``
+    cells) named as IPython names them (``Cell In[5], line 8`` instead of
+    ``File "/tmp/ipykernel_1/1671.py", line 8``),
     and each frame's source line filled in from the kernel where the worker had none
     (a spawned worker never saw the cells' source). Outside IPython: ``text`` as it is."""
     cells = filename_map()
@@ -160,9 +162,8 @@ def cell_names(text: str) -> str:
             out.append(line)
             continue
         indent, filename, lineno, rest = m.groups()
-        number = cells.get(filename)
-        out.append(f"{indent}Cell In[{number}], line {lineno}{rest}" if number is not None
-                   else line)
+        place = cell_label(filename, cells)
+        out.append(f"{indent}{place}, line {lineno}{rest}" if place else line)
         following = lines[i + 1] if i + 1 < len(lines) else ""
         if not following.startswith(indent + "  ") or _FRAME.match(following):
             source = linecache.getline(filename, int(lineno)).strip()  # the kernel's copy
@@ -175,13 +176,14 @@ def cell_label(filename: str, cells: dict[str, int] | None = None) -> str | None
     """``"Cell In[5]"`` for a file IPython compiled a cell to (``cells``: the map
     ``filename_map()`` gives, read once by a caller that asks about many files)."""
     number = (filename_map() if cells is None else cells).get(filename)
-    if number is None:
-        found = _IPYTHON7_CELL.match(filename)  # an IPython 7 name carries its number
+    if number is None:  # an IPython 7 name, or a %%ranks cell's, carries its number
+        found = _IPYTHON7_CELL.match(filename) or _RANKS_CELL.fullmatch(filename)
         number = found and int(found.group(1))
     return None if number is None else f"Cell In[{number}]"
 
 
 _IPYTHON7_CELL = re.compile(r"<ipython-input-(\d+)-")
+_RANKS_CELL = re.compile(re.escape(RANKS_CELL).replace(r"\{\}", r"(\d+)"))
 
 
 def frame_text(frame) -> str:

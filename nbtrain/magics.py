@@ -19,6 +19,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from .cells import RANKS_CELL
+from .cells import current as current_cell
 from .errors import WorkerError
 from .launch.pool import active_pool
 
@@ -59,8 +61,11 @@ class RankMagics(Magics):
         and torch defined; the value of the cell's last expression is shown per rank.
         """
         ranks, timeout = parse_line(line)
+        number, filename = current_cell(), None
+        if number is not None:  # tracebacks say "Cell In[n], line L", L counted as the cell's
+            cell, filename = "\n" + cell, RANKS_CELL.format(number)
         try:
-            values = active_pool().run(cell, ranks=ranks, timeout=timeout)
+            values = active_pool().run(cell, ranks=ranks, timeout=timeout, filename=filename)
         except WorkerError as err:  # the ranks' tracebacks, not the kernel's plumbing
             raise err.with_traceback(None) from None
         if any(v is not None for v in values.values()):

@@ -307,9 +307,6 @@ def _decode(message: bytes, tag: bytes, kind: type):
 
 
 # -- a RankPool's commands (kernel -> pool worker) ----------------------------------------
-CELL_FILE = "<%%ranks cell {}>"  # what a pool's n-th cell is compiled as
-
-
 @dataclasses.dataclass(frozen=True)
 class Exec:
     """A ``%%ranks`` cell: run ``code`` (compiled as ``filename``) in the rank's namespace;

@@ -365,19 +365,45 @@ def test_cell_files_are_named_as_ipython_names_them(monkeypatch):
                                                  "/tmp/ipykernel_1/42.py")
     try:
         text = ('Traceback (most recent call last):\n'
+                '  File "<%%ranks In[9]>", line 3, in <module>\n'  # a %%ranks cell's
+                '    train()\n'
                 '  File "/tmp/ipykernel_1/42.py", line 2, in train\n'   # spawned: no source
-                '  File "/lib/torch/x.py", line 5, in f\n'
+                '  File "<ipython-input-4-5e3a>", line 1, in f\n'  # IPython 7's name
                 '    g()\n'
+                '  File "/lib/torch/x.py", line 5, in g\n'
+                '    h()\n'
                 'ZeroDivisionError: integer division or modulo by zero\n')
         assert errors.cell_names(text) == (
             'Traceback (most recent call last):\n'
+            '  Cell In[9], line 3, in <module>\n'
+            '    train()\n'
             '  Cell In[7], line 2, in train\n'
             '    1 // 0\n'
-            '  File "/lib/torch/x.py", line 5, in f\n'
+            '  Cell In[4], line 1, in f\n'
             '    g()\n'
+            '  File "/lib/torch/x.py", line 5, in g\n'
+            '    h()\n'
             'ZeroDivisionError: integer division or modulo by zero\n')
     finally:
         del linecache.cache["/tmp/ipykernel_1/42.py"]
+
+
+@pytest.mark.parametrize("during, after", [(5, 5), (5, 6)])
+def test_the_running_cell_is_the_one_its_result_names(monkeypatch, during, after):
+    """IPython 9 counts In[n + 1] while cell n runs (7 and 8 still n): the running cell's
+    number is the one its result carries, which %%ranks names its code by."""
+    import types
+
+    import IPython
+
+    from nbtrain import cells
+
+    shell = types.SimpleNamespace(execution_count=after, displayhook=types.SimpleNamespace(
+        exec_result=types.SimpleNamespace(execution_count=during)))
+    monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
+    assert cells.current() == during
+    shell.displayhook.exec_result = None  # between cells
+    assert cells.current() == after
 
 
 # -- starting and ending workers when interrupted ---------------------------------------

@@ -238,10 +238,11 @@ def test_a_background_launch_can_be_stopped_and_the_pool_goes_on(pool, capsys):
     run = pool.launch(sleeper, background=True, dashboard=False)
     with pytest.raises(RuntimeError, match="busy"):
         pool.run("1")
-    deadline = time.monotonic() + 20
-    while run.status != "running":
+    deadline, out = time.monotonic() + 20, ""
+    while out.count("started") < 2:  # both in the function (not still in nbtrain's setup)
         assert time.monotonic() < deadline
         time.sleep(0.02)
+        out += capsys.readouterr().out
     t = time.monotonic()
     run.stop()
     assert time.monotonic() - t < 3.5

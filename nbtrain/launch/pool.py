@@ -28,10 +28,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..cells import busy_while_blocking
+from ..cells import POOL_CODE, busy_while_blocking
 from ..plan import DevicePlan
 from ..wire import (
-    CELL_FILE,
     Exec,
     Exit,
     MemoryQuery,
@@ -158,15 +157,19 @@ class RankPool:
         return self.channel.command(self._ranks(ranks), command, what, timeout)
 
     def run(self, code: str, ranks: int | list[int] | None = None,
-            timeout: float | None = None) -> dict[int, str | None]:
+            timeout: float | None = None, *, filename: str | None = None,
+            ) -> dict[int, str | None]:
         """Run ``code`` on ``ranks`` (all by default), each in its own namespace kept
         across calls (``rank``, ``world_size``, ``device``, ``dist``, ``torch`` defined).
         Output comes back labelled ``[rank N]``. Returns each rank's repr of the value of
-        the code's last expression (None if there is none). What ``%%ranks`` calls."""
+        the code's last expression (None if there is none). What ``%%ranks`` calls, with
+        ``filename`` (what tracebacks name the code) its cell's."""
         if not isinstance(code, str):
             raise TypeError(f"pool.run() takes code as a string; got {type(code).__name__}.")
-        self._cells += 1
-        command = Exec(code, CELL_FILE.format(self._cells))
+        if filename is None:
+            self._cells += 1
+            filename = POOL_CODE.format(self._cells)
+        command = Exec(code, filename)
         # the kernel's copy too: the stack a rank writes as it dies names only the line
         linecache.cache[command.filename] = (len(code), None, code.splitlines(True),
                                              command.filename)

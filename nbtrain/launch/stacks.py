@@ -18,7 +18,7 @@ import re
 import sysconfig
 from dataclasses import dataclass, field
 
-from ..wire import CELL_FILE, Frame
+from ..wire import Frame
 
 FATAL = "Fatal Python error:"  # the first line of a dump written as the rank dies
 # Every other line such a dump has (Python 3.10-3.13): what does not match ends it.
@@ -110,7 +110,7 @@ def _not_ours(filename: str) -> bool:
         _PACKAGE_DIR + os.sep)
 
 
-_CELLS = ("<ipython-input", CELL_FILE.partition("{")[0])  # IPython's old names; %%ranks
+_CELLS = ("<ipython-input", "<%%ranks")  # IPython 7's cells; a RankPool's (cells.py)
 
 
 def _users(filename: str) -> bool:
