@@ -66,6 +66,15 @@ def test_where_a_rank_was_prefers_the_users_code_then_a_librarys():
     # only nbtrain's and the standard library's code: its function had ended
     ending = [(STDLIB, 137, "updatecache"), (OURS, 73, "hosted"), (RANK, 231, "execute")]
     assert Dump.parse(dump(ending, fatal=False)).where() is None
+    # nbtrain's start, before the function: not a torch line it happened to be in
+    seeding = os.path.join(os.path.dirname(nbtrain.__file__), "seeding.py")
+    starting = [(TORCH.replace("distributed/distributed_c10d", "cuda/__init__"), 467,
+                 "_lazy_call"), (seeding, 40, "seed_all"), (RANK, 226, "execute")]
+    assert Dump.parse(dump(starting, fatal=False)).where() is None
+    # a %%ranks cell is the user's code (its file name is not a path)
+    in_cell = [(TORCH, 3252, "all_reduce"), ("<%%ranks In[4]>", 3, "<module>"),
+               (RANK.replace("worker", "pool_worker"), 152, "run_cell")]
+    assert Dump.parse(dump(in_cell, fatal=False)).where().filename == "<%%ranks In[4]>"
 
 
 def test_a_dump_cut_short_has_no_function_thread_yet():

@@ -73,9 +73,11 @@ class Dump:
     def where(self) -> Frame | None:
         """Where the rank's function was: the innermost frame of its thread in the user's
         own code, else in a library's (a function that came from a package); None when
-        only nbtrain's own code and the standard library's were running (its function
-        had already returned or raised)."""
+        its function was not running: only nbtrain's own code and the standard library's
+        were, or what nbtrain's code called (its start: a seed, a ``Context``; its end)."""
         frames = self.function_frames()
+        if frames and _ours(frames[0].filename):
+            return None
         for accept in (_users, _not_ours):
             for f in reversed(frames):
                 if accept(f.filename):
@@ -104,10 +106,13 @@ _LIBRARY_DIRS = tuple({os.path.abspath(p) + os.sep for key in ("stdlib", "platst
 _INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")  # dist-: Debian's (Colab's)
 
 
+def _ours(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
+
+
 def _not_ours(filename: str) -> bool:
     """A library's file, not nbtrain's or the standard library's."""
-    return bool(_INSTALLED.search(filename)) and not os.path.abspath(filename).startswith(
-        _PACKAGE_DIR + os.sep)
+    return bool(_INSTALLED.search(filename)) and not _ours(filename)
 
 
 _CELLS = ("<ipython-input", "<%%ranks")  # IPython 7's cells; a RankPool's (cells.py)
