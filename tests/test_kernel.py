@@ -152,6 +152,28 @@ def test_a_hang_and_a_native_crash_name_the_cells_lines(k, kernel_clean):
     assert not wait_no_descendants(k.pid, timeout=2.0)
 
 
+def test_a_rank_still_running_after_the_others_is_named_at_its_line(k, kernel_clean):
+    """A rank still running after the others returned (an NCCL hang looks like this):
+    its cell, line and source in the run's output, not faulthandler's whole dump."""
+    k.run("from nbtrain.launch import late\nlate.STRAGGLER_S = 0.5")
+    defined = k.run("""
+        def uneven(ctx):
+            if ctx.rank == 1:
+                time.sleep(2.5)
+            return ctx.rank
+    """)
+    try:
+        reply = k.run("nbtrain.launch(uneven, devices=2, dashboard=False).results")
+    finally:
+        k.run("late.STRAGGLER_S = 30.0")
+    assert reply.error is None, reply.error
+    assert re.search(rf"\[rank 1\] nbtrain: rank 1 is still running \d+ s after rank 0 "
+                     rf"returned; where it is now:\n\[rank 1\]   Cell In\[{defined.execution_count}"
+                     r"\], line 3, in uneven\n\[rank 1\]     time.sleep\(2.5\)\n", reply.stderr), \
+        reply.stderr
+    assert "Thread 0x" not in reply.stderr
+
+
 @pytest.mark.parametrize("how", ["group", "pid"])
 def test_interrupt_ends_every_worker_and_the_kernel_goes_on(k, kernel_clean, how):
     msg = k.submit("nbtrain.launch(sleepy, devices=2)")

@@ -5,6 +5,7 @@ where it waits instead of hanging the cell."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -14,7 +15,7 @@ import pytest
 from workloads import fail_on
 
 import nbtrain
-from nbtrain.launch import watch as supervisor
+from nbtrain.launch import late
 from nbtrain.rank import worker
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -59,7 +60,7 @@ _REAL_INIT = worker.init_distributed
 
 
 def test_a_rank_that_never_joins_is_named_with_where_it_waits(monkeypatch):
-    monkeypatch.setattr(supervisor, "JOIN_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(late, "JOIN_TIMEOUT_S", 2.0)
     monkeypatch.setattr(worker, "init_distributed", _stuck_before_joining)  # forked: inherited
     with pytest.raises(nbtrain.WorkerError) as info:
         nbtrain.launch(fail_on, "none", devices=3, accelerator="cpu", start_method="fork",
@@ -73,7 +74,7 @@ def test_a_rank_that_never_joins_is_named_with_where_it_waits(monkeypatch):
 
 
 def test_a_pool_rank_that_never_joins_fails_the_start(monkeypatch):
-    monkeypatch.setattr(supervisor, "JOIN_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(late, "JOIN_TIMEOUT_S", 2.0)
     monkeypatch.setattr(worker, "init_distributed", _stuck_before_joining)
     from nbtrain.rank import pool_worker
 
@@ -90,12 +91,19 @@ def late_rank(ctx):
 
 
 def test_a_rank_still_running_after_the_others_returned_is_named(monkeypatch, capsys):
-    monkeypatch.setattr(supervisor, "STRAGGLER_S", 0.5)
+    monkeypatch.setattr(late, "STRAGGLER_S", 0.5)
     run = nbtrain.launch(late_rank, devices=2, accelerator="cpu", dashboard=False)
     assert run.results == [0, 1]  # named, not ended
     err = capsys.readouterr().err
     assert "[rank 1] nbtrain: rank 1 is still running" in err and "after rank 0 returned" in err
-    assert "in late_rank" in err  # its stack, from faulthandler
+    # its function's frames from the stack it wrote, as a traceback shows them: not the
+    # whole dump (helper threads, the kernel's frames a fork copied)
+    line = late_rank.__code__.co_firstlineno + 2
+    assert re.search(r'\[rank 1\] nbtrain: rank 1 is still running \d+ s after rank 0 '
+                     r'returned; where it is now:\n'
+                     rf'\[rank 1\]   File "\S+test_start.py", line {line}, in late_rank\n'
+                     r"\[rank 1\]     time.sleep\(3\)\n", err), err
+    assert "Thread 0x" not in err and "popen_fork" not in err, err
 
 
 def returns_at_once(ctx):

@@ -25,7 +25,6 @@ from ..errors import WorkerError, cell_names
 from ..wire import first_line, label
 from .failures import Failure, exit_failure
 from .launcher import WorkerHandle
-from .stacks import Dump, in_dump
 from .supervisor import STACKS_S, Follower
 from .watch import RankState
 
@@ -139,14 +138,10 @@ class PoolOp(Follower):
         """Each asked rank's ``where`` from its stack; what else it wrote meanwhile goes to
         the cell, and so does its stderr from now on (the ranks are the pool's)."""
         for w in self.workers.values():
-            if w.stack is None:
-                continue
-            if w.failure is None:
-                w.where = Dump.parse(w.stack).where()
-            for line in w.stack:
-                if not in_dump(line):
-                    self.watch.emit(w.rank, "err", line)
-            w.stack = None
+            if w.stack is not None:
+                failed = w.failure is not None
+                dump, _ = self.watch.release_stack(w)
+                w.where = None if failed else dump.where()
 
     def _asleep(self, now: float) -> bool:
         """Whether every busy rank has slept without CPU time for ``STUCK_S``. Asked on

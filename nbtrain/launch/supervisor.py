@@ -81,8 +81,7 @@ class Follower:
     def notice(self, now: float) -> None:
         """Name ranks that do not join or lag behind (not once ranks are being ended)."""
         if self.teardown_cause is None:
-            self.watch.check_joined(now)
-            self.watch.name_stragglers(now)
+            self.watch.notice(now)
 
     def teardown_due(self, now: float, failed: bool) -> bool:
         """Decide (once) whether to end now: a stop asked for, the deadline passed, or

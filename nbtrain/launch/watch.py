@@ -1,7 +1,7 @@
 """What a kernel thread sees of a set of ranks: ``Watch``, one selector over each rank's
 exit sentinel, control pipe (result, failure, store port, activity), stdout and stderr,
 and a wake-up pipe. It decodes what arrives into each rank's ``RankState``, names ranks
-that do not join or lag behind, and reaps the ones that exit. It decides nothing about
+that do not join or lag behind (``late.py``), and reaps the ones that exit. It decides nothing about
 ending them: that is the ``Follower`` around it (``supervisor.py``) and its kinds.
 """
 
@@ -27,19 +27,10 @@ from ..wire import (
     decode_failure,
 )
 from .failures import Failure, explain_alone, reported_failure, with_stack
+from .late import Late
 from .launcher import WorkerHandle
 from .stacks import FATAL, Dump, in_dump
 
-# A rank that has not joined its process group this long after the start is named, with
-# its Python stack, and the start fails (a fork once copied a held lock into a rank,
-# which then waited forever; see rank/worker.py). Generous: spawn imports torch in every rank
-# and NCCL's first communicator takes seconds on 8 GPUs.
-JOIN_TIMEOUT_S = 120.0
-STACK_WAIT_S = 1.0  # after SIGUSR1, how long a late rank gets to print its stack
-# A rank still running this long after another rank returned is named in the cell with
-# its Python stack (once): a silent wait looks like a hang (a rank stuck in a collective
-# the others left, or a slow teardown).
-STRAGGLER_S = 30.0
 
 @dataclass
 class RankState:
@@ -74,17 +65,14 @@ class Watch:
 
     ``emit(rank, "out" | "err", line)`` receives their output line by line. ``join``:
     they are starting their process group, so rank 0's store port is relayed and ranks
-    not joined within ``JOIN_TIMEOUT_S`` are named. A KeyboardInterrupt from a rank in
+    not joined within ``late.JOIN_TIMEOUT_S`` are named. A KeyboardInterrupt from a rank in
     ``interrupted`` (the follower sent it) is not a root cause."""
 
     def __init__(self, handles: list[WorkerHandle], emit, join: bool):
         self.workers = {h.rank: RankState(h) for h in handles}
         self.emit = emit
-        self.join_deadline = time.monotonic() + JOIN_TIMEOUT_S if join else None
+        self.late = Late(join)
         self.interrupted: set[int] = set()
-        self._stacks_asked_at: float | None = None
-        self._first_result_at: float | None = None
-        self._stragglers_named = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._sel = selectors.DefaultSelector()
@@ -145,42 +133,9 @@ class Watch:
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(fileobj)
 
-    # -- ranks that do not join, or lag behind -------------------------------------------
-    def check_joined(self, now: float) -> None:
-        """Past the join deadline, ask the ranks that have not joined where they are
-        (SIGUSR1: their Python stacks, on stderr), then fail them with it."""
-        if self.join_deadline is None or now < self.join_deadline:
-            return
-        late = [w for w in self.workers.values()
-                if not w.joined and w.exitcode is None and w.failure is None]
-        if not late:
-            self.join_deadline = None
-            return
-        if self._stacks_asked_at is None:
-            self._stacks_asked_at = now
-            self.ask_stacks(late)
-            return
-        if now - self._stacks_asked_at < STACK_WAIT_S:
-            return
-        joined = [r for r, w in self.workers.items() if w.joined]
-        missing = [w.rank for w in late if not w.at_store]
-        for w in late:
-            stack = "\n".join(w.stack or []) or "(it printed no stack)"
-            if w.at_store and missing:  # waiting in the group's start for those
-                message = (f"rank {w.rank} waited in the process group's start for rank"
-                           f"{'s' if len(missing) > 1 else ''} "
-                           f"{', '.join(map(str, missing))}")
-            else:
-                message = (f"rank {w.rank} did not join the process group within "
-                           f"{JOIN_TIMEOUT_S:g} s of the start (joined: "
-                           f"{', '.join(map(str, joined)) or 'none'}); where it waits:")
-            w.failure = Failure(
-                w.rank, "StartTimeout", message, stack, now,
-                secondary=w.at_store and bool(missing),
-                hint="The start was ended; nothing of your function ran. Launch again. If a "
-                     "start hangs again, the stack above says where: please report it with "
-                     "that stack.")
-        self.join_deadline = None
+    # -- ranks that do not join, or lag behind (late.py), and their stacks ---------------
+    def notice(self, now: float) -> None:
+        self.late.notice(self, now)
 
     def ask_stacks(self, ranks: list[RankState]) -> None:
         """SIGUSR1: each rank writes every thread's Python stack to its stderr, which is
@@ -208,22 +163,15 @@ class Watch:
             explain_alone(failures[0], [r for r, w in self.workers.items()
                                         if w.result is not None], len(self.workers))
 
-    def name_stragglers(self, now: float) -> None:
-        """Once, ``STRAGGLER_S`` after the first result: name each rank still running,
-        with its stack."""
-        if self._stragglers_named or self._first_result_at is None or \
-                now - self._first_result_at < STRAGGLER_S:
-            return
-        self._stragglers_named = True
-        done = [r for r, w in self.workers.items() if w.result is not None]
-        for w in self.busy():
-            self.emit(w.rank, "err",
-                      f"nbtrain: rank {w.rank} is still running "
-                      f"{now - self._first_result_at:.0f} s after rank"
-                      f"{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} "
-                      "returned; where it is now:")
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(w.handle.pid, signal.SIGUSR1)
+    def release_stack(self, w: RankState) -> tuple[Dump, list[str]]:
+        """The stack ``w`` was asked for (its dump, and the dump's lines); what else it
+        wrote meanwhile goes to the cell now, and its stderr from now on."""
+        lines, w.stack = w.stack or [], None
+        for line in lines:
+            if not in_dump(line):
+                self.emit(w.rank, "err", line)
+        lines = [line for line in lines if in_dump(line)]
+        return Dump.parse(lines), lines
 
     # -- reading -------------------------------------------------------------------------
     def read_control(self, w: RankState) -> None:
@@ -261,8 +209,7 @@ class Watch:
         if tag in (ACTIVITY, FAILURE):
             return
         w.result = data
-        if self._first_result_at is None:
-            self._first_result_at = time.monotonic()
+        self.late.returned(time.monotonic())
 
     def read_output(self, w: RankState, stream: str) -> bool:
         """Whatever the pipe holds now, emitted line by line; False at its end."""
