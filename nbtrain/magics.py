@@ -15,16 +15,33 @@ Each rank keeps its own namespace across cells, with ``rank``, ``world_size``,
 
 from __future__ import annotations
 
+import traceback
+
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .cells import RANKS_CELL
 from .cells import current as current_cell
-from .errors import WorkerError
+from .errors import WorkerError, cell_names
 from .launch.pool import active_pool
 
 USAGE = "usage: %%ranks [RANKS] [--timeout SECONDS]   (RANKS: all, 0, or 0,1,...)"
+
+
+class CellSyntaxError(Exception):
+    """A ``%%ranks`` cell that does not parse, shown as IPython shows a cell's own syntax
+    error (its cell, line and caret): IPython shows a ``SyntaxError`` raised while code
+    runs with the whole stack, here its own frames and the magic's. ``error``: the
+    ``SyntaxError``."""
+
+    def __init__(self, error: SyntaxError):
+        super().__init__(f"{error.msg} ({error.filename}, line {error.lineno})")
+        self.error = error
+
+    def _render_traceback_(self) -> list[str]:
+        text = "".join(traceback.format_exception_only(type(self.error), self.error))
+        return cell_names(text).splitlines()
 
 
 class PerRank(dict):
@@ -68,6 +85,8 @@ class RankMagics(Magics):
             values = active_pool().run(cell, ranks=ranks, timeout=timeout, filename=filename)
         except WorkerError as err:  # the ranks' tracebacks, not the kernel's plumbing
             raise err.with_traceback(None) from None
+        except SyntaxError as err:  # no rank ran it
+            raise CellSyntaxError(err) from None
         if any(v is not None for v in values.values()):
             return PerRank(values)
         return None

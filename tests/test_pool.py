@@ -103,6 +103,21 @@ def test_an_exception_reports_every_failing_rank_and_the_pool_goes_on(pool):
     assert pool.started == 1
 
 
+def test_a_syntax_error_is_raised_in_the_kernel_and_no_rank_runs_the_code():
+    p = nbtrain.RankPool(devices=2, accelerator="cpu", start_method="fork")
+    try:
+        with pytest.raises(SyntaxError) as info:
+            p.run("x = 1\ndef (:\n", filename="<%%ranks In[4]>")
+        assert info.value.filename == "<%%ranks In[4]>" and info.value.lineno == 2
+        assert p.run("rank") == {0: "0", 1: "1"}
+        before = p.channel.op
+        with pytest.raises(SyntaxError):
+            p.run("print(")
+        assert p.channel.op is before and p.started == 1  # nothing went to the ranks
+    finally:
+        p.close()
+
+
 def test_memory_of_a_run_is_freed_on_every_rank(pool):
     before = [r["tensor_bytes"] for r in pool.status]
     pool.run("big = torch.zeros(1 << 20)")  # a name the user keeps: 4 MiB, not freed

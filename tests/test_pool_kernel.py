@@ -84,6 +84,11 @@ def test_an_exception_shows_every_failing_rank_then_the_next_cell_works(pool):
     # named as IPython names the cell, its lines counted from the magic's
     assert (f"[rank 1]   Cell In[{reply.execution_count}], line 3, in <module>\n"
             "[rank 1]     raise ValueError('one is bad')") in text, text
+    bad = k.run("%%ranks\nx = 1\nfor :\n")  # said once, as IPython says one
+    assert bad.ename == "CellSyntaxError", bad.error
+    assert bad.error["traceback"][:2] == [f"  Cell In[{bad.execution_count}], line 3",
+                                          "    for :"], bad.error
+    assert bad.error["traceback"][-1] == "SyntaxError: invalid syntax", bad.error
     assert "[rank 0] fine 0" in reply.stdout
     reply = k.run("%%ranks\nraise KeyError(rank)")
     text = "\n".join(reply.error["traceback"])

@@ -18,6 +18,7 @@ says so and starts again on its next use.
 
 from __future__ import annotations
 
+import ast
 import atexit
 import contextlib
 import linecache
@@ -173,6 +174,9 @@ class RankPool:
         # the kernel's copy too: the stack a rank writes as it dies names only the line
         linecache.cache[command.filename] = (len(code), None, code.splitlines(True),
                                              command.filename)
+        # A syntax error is the cell's, raised here as IPython shows one (its line and a
+        # caret), not once per rank.
+        ast.parse(code, filename)
         op = self._command(ranks, command, "cell", timeout)
         return {r: decode_value(w.result).repr for r, w in sorted(op.workers.items())}
 
