@@ -99,3 +99,24 @@ def test_ranks_at_the_same_line_are_named_together():
     assert where_text(where) == ("where the ranks were: ranks 0, 1 at a.py, line 1, in f: "
                                  "x(); rank 3 at b.py, line 2, in g: y()")
     assert where_text({0: "", 1: ""}) == ""
+
+
+def test_what_a_rank_wrote_beside_its_stack_reaches_the_cell():
+    """Once a rank was asked for its stack, its stderr is kept until the stack is read:
+    the lines that are not the dump's (a warning as it was ended) then reach the cell,
+    and its stderr flows again."""
+    import types
+
+    from nbtrain.launch.watch import Watch
+
+    emitted = []
+    watch = Watch([types.SimpleNamespace(rank=1)], lambda r, s, line: emitted.append(line),
+                  join=False)
+    try:
+        w = watch.workers[1]
+        w.stack = ["UserWarning: the loader was cut short", *dump(STACK, fatal=False)]
+        watch.read_stacks()
+        assert emitted == ["UserWarning: the loader was cut short"]
+        assert w.stack is None and w.where.name == "train"
+    finally:
+        watch.close(end_ranks=False)

@@ -78,6 +78,7 @@ class Late:
                 hint="The start was ended; nothing of your function ran. Launch again. If a "
                      "start hangs again, the stack above says where: please report it with "
                      "that stack.")
+            w.stack = None  # all it wrote is in its failure
         self.join_deadline = None
 
     def _name_stragglers(self, watch, now: float) -> None:

@@ -101,7 +101,7 @@ class PoolOp(Follower):
             for w in watch.wait(self.timeout(now)):
                 self._exited(w)
             now = time.monotonic()
-        self._read_stacks()
+        self.watch.read_stacks()
         watch.drain_available()
 
     def _advance(self, now: float) -> None:
@@ -115,7 +115,7 @@ class PoolOp(Follower):
                 watch.ask_stacks(watch.busy())
         if self.interrupted_at is None:
             if self.teardown_cause is not None and not self._stacks_due(now):
-                self._read_stacks()
+                self.watch.read_stacks()
                 self.interrupted_at = now
                 watch.interrupted.update(w.rank for w in watch.busy())
                 self._interrupt(now)
@@ -133,15 +133,6 @@ class PoolOp(Follower):
         asked = self._stacks_asked_at
         return asked is not None and any(w.stack is not None for w in self.workers.values()) \
             and not self.watch.stacks_read() and now - asked < STACKS_S
-
-    def _read_stacks(self) -> None:
-        """Each asked rank's ``where`` from its stack; what else it wrote meanwhile goes to
-        the cell, and so does its stderr from now on (the ranks are the pool's)."""
-        for w in self.workers.values():
-            if w.stack is not None:
-                failed = w.failure is not None
-                dump, _ = self.watch.release_stack(w)
-                w.where = None if failed else dump.where()
 
     def _asleep(self, now: float) -> bool:
         """Whether every busy rank has slept without CPU time for ``STUCK_S``. Asked on

@@ -155,13 +155,20 @@ class Watch:
         for its stack (and not failed) was (``where``), and a communication error whose
         peers had all returned is explained (they left; it ran a collective they did
         not)."""
-        for w in self.workers.values():
-            if w.stack is not None and w.failure is None:
-                w.where = Dump.parse(w.stack).where()
+        self.read_stacks()
         failures = self.failures
         if len(failures) == 1:
             explain_alone(failures[0], [r for r, w in self.workers.items()
                                         if w.result is not None], len(self.workers))
+
+    def read_stacks(self) -> None:
+        """Each rank asked for its stack: where its function was (if it has not failed);
+        what else it wrote meanwhile (a warning as it was ended) reaches the cell."""
+        for w in self.workers.values():
+            if w.stack is not None:
+                failed = w.failure is not None
+                dump, _ = self.release_stack(w)
+                w.where = None if failed else dump.where()
 
     def release_stack(self, w: RankState) -> tuple[Dump, list[str]]:
         """The stack ``w`` was asked for (its dump, and the dump's lines); what else it
