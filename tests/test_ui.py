@@ -689,3 +689,19 @@ def test_the_html_twin_draws_without_requirejs_and_inlines_plotly_once_under_cla
     first, second = static.figure_html(body), static.figure_html(body)
     assert first.count('id="nbtrain-plotlyjs"') == 1 and len(first) > 1_000_000
     assert "nbtrain-plotlyjs\">" not in second  # once per kernel
+
+
+def test_the_text_view_names_where_a_timed_out_rank_was():
+    """A failure with no traceback of its own (a timeout) reads as what happened and the
+    line the rank was at, not the hint's last line."""
+    from nbtrain.ui.header import header_text
+
+    with pytest.raises(nbtrain.RunTimeoutError):
+        nbtrain.launch(fail_on, "hang", devices=2, accelerator="cpu", timeout=2,
+                       dashboard=False)
+    run = nbtrain.last_run()
+    state = LiveState(2)
+    state.finish(run)
+    lines = header_text(state).splitlines()
+    assert any(line.startswith("  rank 0 failed: Timeout: the run passed timeout=2s")
+               and "; at " in line and "in fail_on: " in line for line in lines), lines

@@ -91,7 +91,7 @@ def header_text(state: LiveState) -> str:
     lines = [state.progress_line()]
     for rank, detail in sorted(state.errors.items()):
         last = detail.strip().splitlines()[-1] if detail.strip() else ""
-        lines.append(f"  rank {rank} failed: {last}")
+        lines.append(f"  rank {rank} failed: {state.briefs.get(rank) or last}")
     return "\n".join(lines)
 
 

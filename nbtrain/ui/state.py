@@ -46,6 +46,8 @@ class LiveState:
         self.comm_rank: int | None = None
         self.status: dict[int, str] = dict.fromkeys(range(world_size), "starting")
         self.errors: dict[int, str] = {}
+        # rank -> one line for a failure no traceback came with (a timeout, a signal)
+        self.briefs: dict[int, str] = {}
         self.last_metrics: dict[int, dict[str, float]] = {}
         self.outcome: str | None = None  # the run's status once it ended
         self.error: str | None = None  # the run's error message once it ended
@@ -68,6 +70,7 @@ class LiveState:
             self.restarts.append(e)
             self.status = dict.fromkeys(self.status, "starting")
             self.errors.clear()
+            self.briefs.clear()
             return
         rank = e.rank
         if rank >= self.world_size:
@@ -130,6 +133,7 @@ class LiveState:
                 rank = getattr(run.error, "rank", None)
                 if isinstance(rank, int) and rank not in self.errors:
                     self.errors[rank] = str(run.error)
+                    self.briefs[rank] = brief(run.error, rank)
             self.version += 1
 
     def _bind(self, run: Run) -> None:
@@ -213,3 +217,12 @@ def run_info(run: Run) -> dict[str, str]:
              (f" {list(run.devices)}" if run.accelerator == "cuda" else ""))
     return {"strategy": strategy, "devices": where, "start_method": run.start_method,
             "fn": run.fn_name}
+
+
+def brief(error, rank: int) -> str:
+    """One line for a rank's failure that came without a traceback of its own: what
+    happened, and where the rank was if it said (a timeout's ``where``)."""
+    kind, message = getattr(error, "exc_type", type(error).__name__), str(
+        getattr(error, "message", error))
+    at = (getattr(error, "where", None) or {}).get(rank)
+    return f"{kind}: {message.splitlines()[0] if message else ''}" + (f"; at {at}" if at else "")
