@@ -131,8 +131,7 @@ class PoolOp(Follower):
     def _stacks_due(self, now: float) -> bool:
         """Whether stacks were asked for, and some are still to come (within STACKS_S)."""
         asked = self._stacks_asked_at
-        return asked is not None and any(w.stack is not None for w in self.workers.values()) \
-            and not self.watch.stacks_read() and now - asked < STACKS_S
+        return asked is not None and not self.watch.stacks_read() and now - asked < STACKS_S
 
     def _asleep(self, now: float) -> bool:
         """Whether every busy rank has slept without CPU time for ``STUCK_S``. Asked on

@@ -1,8 +1,9 @@
 """What a kernel thread sees of a set of ranks: ``Watch``, one selector over each rank's
 exit sentinel, control pipe (result, failure, store port, activity), stdout and stderr,
 and a wake-up pipe. It decodes what arrives into each rank's ``RankState``, names ranks
-that do not join or lag behind (``late.py``), and reaps the ones that exit. It decides nothing about
-ending them: that is the ``Follower`` around it (``supervisor.py``) and its kinds.
+that do not join or lag behind (``late.py``), and reaps the ones that exit. It decides
+nothing about ending them: that is the ``Follower`` around it (``supervisor.py``) and its
+kinds.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ class Watch:
 
     ``emit(rank, "out" | "err", line)`` receives their output line by line. ``join``:
     they are starting their process group, so rank 0's store port is relayed and ranks
-    not joined within ``late.JOIN_TIMEOUT_S`` are named. A KeyboardInterrupt from a rank in
-    ``interrupted`` (the follower sent it) is not a root cause."""
+    not joined within ``late.JOIN_TIMEOUT_S`` are named. A KeyboardInterrupt from a rank
+    in ``interrupted`` (the follower sent it) is not a root cause."""
 
     def __init__(self, handles: list[WorkerHandle], emit, join: bool):
         self.workers = {h.rank: RankState(h) for h in handles}

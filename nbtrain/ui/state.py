@@ -14,6 +14,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from ..telemetry.events import Comm, Event, Lifecycle, Memory, Metric, Restart, Step
+from ..wire import first_line
 from .series import Series
 
 if TYPE_CHECKING:
@@ -70,7 +71,6 @@ class LiveState:
             self.restarts.append(e)
             self.status = dict.fromkeys(self.status, "starting")
             self.errors.clear()
-            self.briefs.clear()
             return
         rank = e.rank
         if rank >= self.world_size:
@@ -222,7 +222,7 @@ def run_info(run: Run) -> dict[str, str]:
 def brief(error, rank: int) -> str:
     """One line for a rank's failure that came without a traceback of its own: what
     happened, and where the rank was if it said (a timeout's ``where``)."""
-    kind, message = getattr(error, "exc_type", type(error).__name__), str(
-        getattr(error, "message", error))
+    kind = getattr(error, "exc_type", type(error).__name__)
     at = (getattr(error, "where", None) or {}).get(rank)
-    return f"{kind}: {message.splitlines()[0] if message else ''}" + (f"; at {at}" if at else "")
+    return f"{kind}: {first_line(str(getattr(error, 'message', error)))}" + \
+        (f"; at {at}" if at else "")
