@@ -118,5 +118,13 @@ def test_what_a_rank_wrote_beside_its_stack_reaches_the_cell():
         watch.read_stacks()
         assert emitted == ["UserWarning: the loader was cut short"]
         assert w.stack is None and w.where.name == "train"
+        # the dump's last lines (outer frames) arriving after it was read are dropped;
+        # what the rank writes next reaches the cell
+        r, wr = os.pipe()
+        w.handle.err = types.SimpleNamespace(fileno=lambda: r)
+        os.write(wr, f'  File "{STDLIB}", line 108 in run\n\nafter the stack\n'.encode())
+        watch.read_output(w, "err")
+        assert emitted[1:] == ["after the stack"], emitted
+        os.close(r), os.close(wr)
     finally:
         watch.close(end_ranks=False)

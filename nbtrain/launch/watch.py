@@ -45,6 +45,7 @@ class RankState:
     at_store: bool = False  # it reached rank 0's store (wire.AT_STORE)
     joined: bool = False  # its process group is up (wire.JOINED)
     stack: list[str] | None = None  # stderr lines since it was asked for its stack
+    tail: bool = False  # its stack was read before the dump's last lines came: drop them
     dying: list[str] | None = None  # the stack it wrote as it died in native code
     last_err: deque[str] = field(default_factory=lambda: deque(maxlen=8))  # before that
     where: Frame | None = None  # where its function was when it was ended (if asked)
@@ -174,7 +175,7 @@ class Watch:
     def release_stack(self, w: RankState) -> tuple[Dump, list[str]]:
         """The stack ``w`` was asked for (its dump, and the dump's lines); what else it
         wrote meanwhile goes to the cell now, and its stderr from now on."""
-        lines, w.stack = w.stack or [], None
+        lines, w.stack, w.tail = w.stack or [], None, True
         for line in lines:
             if not in_dump(line):
                 self.emit(w.rank, "err", line)
@@ -237,6 +238,10 @@ class Watch:
         for line in lines:
             if stream == "err" and self._dying(w, line):
                 continue
+            if stream == "err" and w.tail:
+                if in_dump(line):
+                    continue  # the rest of a stack already read (its outer frames)
+                w.tail = False
             if w.stack is not None and stream == "err":  # its stack goes into its failure
                 w.stack.append(line)
             else:
