@@ -17,6 +17,9 @@ from nbtrain.telemetry.events import Step, decode, encode
 from nbtrain.telemetry.summary import summarize
 from nbtrain.telemetry.timing import PHASES, StepClock
 
+# each phase goes out rounded to the microsecond, so a sum of k phases may be k/2 us off
+_ROUNDED = 0.5e-6
+
 
 def wide_mlp(width: int = 1024, depth: int = 4) -> nn.Module:
     torch.manual_seed(0)
@@ -378,7 +381,7 @@ def test_a_model_compiled_after_it_was_watched_is_timed(kind):
         clock.uninstall()
     phases = step.phases
     assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0, phases
-    assert sum(phases.values()) == pytest.approx(duration, rel=1e-3)
+    assert sum(phases.values()) == pytest.approx(duration, rel=1e-3, abs=_ROUNDED * len(phases))
 
 
 def test_a_cuda_clock_follows_a_real_step(monkeypatch):
@@ -415,7 +418,7 @@ def test_a_cuda_clock_follows_a_real_step(monkeypatch):
     phases = step.phases
     assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
     assert phases["comm"] > 0 and phases["other"] >= 0.01
-    assert sum(phases.values()) == pytest.approx(duration, rel=1e-3)
+    assert sum(phases.values()) == pytest.approx(duration, rel=1e-3, abs=_ROUNDED * len(phases))
     for name in PHASES:
         assert phases[name] == pytest.approx(hosts[-1][name], abs=1e-3), (phases, hosts)
 
