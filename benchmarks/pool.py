@@ -12,6 +12,11 @@ a 0.92M-parameter MLP with AdamW, nbtrain's defaults on (telemetry and dashboard
                                sees it (execute request to idle)
   memory after a run:          bytes of live tensors on each rank before any run and after
                                each pool.launch (what a run made is freed)
+  a stuck cell, then the next: rank 0 all-reduces alone (timeout=1), then a cell on both
+                               ranks: from the timeout until that cell returns, with the
+                               stuck rank freed (the pool goes on, names kept) and, side
+                               by side, with freeing off (the pool is ended and the next
+                               cell starts new workers: what every stuck cell cost before)
 
     python benchmarks/pool.py [--repeats 5]
 """
@@ -49,6 +54,19 @@ def cell():
 
 def tensors():
     return [row["tensor_bytes"] for row in pool.status]
+
+def stuck_then_next(free):
+    if not free:  # nobody to free it: the pool is ended, as before peers could
+        pool.channel._dropper = lambda: (lambda busy: set())
+    pool.run("keep = rank")
+    t = time.monotonic()
+    try:
+        pool.run("dist.all_reduce(torch.ones(1))", ranks=0, timeout=1)
+    except nbtrain.RunTimeoutError:
+        pass
+    kept = pool.run("print(rank)\n'keep' in globals()") == {0: "True", 1: "True"}
+    pool.channel.__dict__.pop("_dropper", None)
+    return time.monotonic() - t - 1, kept
 """
 
 
@@ -82,6 +100,12 @@ def main() -> None:
             reply = kernel.run("%%ranks\nprint(rank)")
             assert "[rank 1] 1" in reply.stdout, reply
             cells_client.append(reply.seconds)
+        stuck = {True: [], False: []}
+        for _ in range(n):
+            for free in stuck:
+                seconds, kept = value(kernel, f"stuck_then_next({free})")
+                assert kept == free, (free, kept)
+                stuck[free].append(seconds)
         assert kernel.run("pool.close()").error is None
     finally:
         kernel.shutdown()
@@ -102,6 +126,11 @@ def main() -> None:
           f"{med(cells_client):7.3f}s")
     print(f"speed-up of a later pool.launch: {med(cold['fork']) / med(later):.1f}x over cold "
           f"fork, {med(cold['spawn']) / med(later):.1f}x over cold spawn")
+    print(f"{'a stuck cell, then the next: freed':38s} {stuck[True][0]:7.3f}s "
+          f"{med(stuck[True]):7.3f}s   (past the timeout; names kept)")
+    print(f"{'  the same, the pool ended (before)':38s} {stuck[False][0]:7.3f}s "
+          f"{med(stuck[False]):7.3f}s   (names lost; ended/freed "
+          f"{med(stuck[False]) / med(stuck[True]):.1f}x)")
     kb = [[b / 1024 for b in row] for row in [baseline, *after]]
     print("live tensor KiB per rank: before any run " +
           ", ".join(f"{v:.1f}" for v in kb[0]) + "; after each pool.launch " +

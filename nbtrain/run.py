@@ -375,7 +375,7 @@ class Run:
             for rank, w in sorted(workers.items()):
                 if rank == root.rank:
                     continue
-                if w.failure is not None:
+                if w.failure is not None and not w.failure.stopped:
                     others.append(f"rank {rank}: also failed with {w.failure.exc_type}: "
                                   f"{first_line(w.failure.message)}")
                     self.rank_status[rank] = "failed"

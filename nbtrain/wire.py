@@ -365,8 +365,20 @@ class Exit:
     """Leave the command loop and the process."""
 
 
-Command = Exec | LaunchRun | Pull | Push | MemoryQuery | Exit
-COMMANDS = (Exec, LaunchRun, Pull, Push, MemoryQuery, Exit)
+@dataclasses.dataclass(frozen=True)
+class DropGroup:
+    """Destroy the process group, to free a peer stuck in a collective this rank is not
+    in (gloo: its wait fails at once). Sent to idle ranks only; no reply."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Regroup:
+    """Start the process group again (after ``DropGroup``), as the pool's start does; the
+    reply is a ``CellValue`` once every rank has joined."""
+
+
+Command = Exec | LaunchRun | Pull | Push | MemoryQuery | Exit | DropGroup | Regroup
+COMMANDS = (Exec, LaunchRun, Pull, Push, MemoryQuery, Exit, DropGroup, Regroup)
 
 
 def encode_command(command: Command) -> bytes:

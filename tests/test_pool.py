@@ -129,22 +129,50 @@ def test_memory_of_a_run_is_freed_on_every_rank(pool):
     assert all(a - b < 64 << 10 for a, b in zip(after, before, strict=True)), (before, after)
 
 
-def test_a_timeout_names_the_rank_stuck_in_a_collective_and_the_pool_restarts(pool):
+FREED = ("rank 0 was stuck in a collective the other ranks never joined; the pool freed "
+         "it by starting its process group again.")
+
+
+def test_a_timeout_names_the_rank_stuck_in_a_collective_and_the_pool_frees_it(pool):
+    """A collective on one rank alone (the teaching mistake): at the timeout it is named
+    where it waits, its peer leaves the process group to free it, and the pool goes on
+    with the same workers, their names and a new group."""
+    pool.run("keep = rank * 10")
+    pids = [r["pid"] for r in pool.status]
     t = time.monotonic()
     with pytest.raises(nbtrain.RunTimeoutError) as info:
         pool.run("if rank == 0:\n    dist.barrier()", timeout=1)
     assert info.value.ranks == [0]
     assert time.monotonic() - t < 15
-    assert "workers were ended" in str(info.value)
-    # seen asleep in the collective, not waited out for INTERRUPT_GRACE_S
-    assert "did not answer an interrupt and slept without CPU time" in str(info.value)
+    # seen asleep in the collective (not waited out for INTERRUPT_GRACE_S), and freed
+    assert FREED + " Names on the ranks are kept" in str(info.value), str(info.value)
     # where it waited: its stack, asked before it was interrupted, read in the cell
     assert re.fullmatch(r"<%%ranks cell \d+>, line 2, in <module>: dist.barrier\(\)",
                         info.value.where[0]), info.value.where
     assert "rank 0: still running, at <%%ranks cell" in str(info.value)
+    assert [r["pid"] for r in pool.status] == pids and pool.started == 1
+    assert pool.run("keep") == {0: "0", 1: "10"}
+    # the new group works, on every rank and on some
+    assert pool.run("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nt.item()") == \
+        {0: "3.0", 1: "3.0"}
+    with pytest.raises(nbtrain.RunTimeoutError, match="rank 1 was stuck"):
+        pool.run("dist.barrier()", ranks=1, timeout=1)  # the other rank not even asked
+    assert pool.run("keep") == {0: "0", 1: "10"} and pool.started == 1
+
+
+def test_ranks_stuck_with_no_idle_peer_to_free_them_end_the_pool(pool):
+    """Every rank waits for another (rank 0 in a barrier, rank 1 for a message rank 0
+    never sends): no peer can leave the group to free them, so the pool ends them."""
+    with pytest.raises(nbtrain.RunTimeoutError) as info:
+        pool.run("if rank == 0:\n    dist.barrier()\nelse:\n    dist.recv(torch.ones(1), 0)",
+                 timeout=1)
+    assert info.value.ranks == [0, 1]
+    text = str(info.value)
+    assert "workers were ended: ranks 0, 1 did not answer an interrupt and slept without " \
+           "CPU time" in text, text
+    assert "stuck in a collective the other ranks never joined" not in text
     assert pool.status.ended and not any(r["alive"] for r in pool.status)
-    assert pool.run("rank") == {0: "0", 1: "1"}  # started again
-    assert pool.started == 2
+    assert pool.run("rank") == {0: "0", 1: "1"} and pool.started == 2  # started again
 
 
 def test_a_busy_cell_is_interrupted_and_the_pool_stays(pool):
@@ -186,8 +214,8 @@ def _gone(pool, rank: int) -> None:
 
 def test_an_interrupted_cell_says_where_each_rank_was(pool):
     """An interrupt in the wait (a kernel's SIGINT): the ranks are asked where they are
-    before they are interrupted; one stuck in a collective ends the pool, and the cell's
-    KeyboardInterrupt names the line of each."""
+    before they are interrupted; one stuck in a collective is freed by its peer leaving
+    the process group, and the cell's KeyboardInterrupt names the line of each."""
     outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a kernel
     try:
         for code, stuck in (("import time\ntime.sleep(60)", False),
@@ -203,10 +231,11 @@ def test_an_interrupted_cell_says_where_each_rank_was(pool):
                      r"where the ranks were: ranks 0, 1 at <%%ranks cell \d+>, line 2, "
                      r"in <module>: time.sleep\(60\)")
             assert re.search(where, text), text
-            assert ("workers were ended: rank 1 did not answer" in text) == stuck, text
+            assert ("rank 1 was stuck in a collective" in text) == stuck, text
+            assert text.startswith("interrupted on rank(s) ["), text
     finally:
         signal.signal(signal.SIGINT, outer)
-    assert pool.run("rank") == {0: "0", 1: "1"} and pool.started == 2
+    assert pool.run("rank") == {0: "0", 1: "1"} and pool.started == 1
 
 
 def test_a_rank_killed_between_commands_is_replaced_and_the_next_command_runs(pool,
@@ -239,14 +268,15 @@ def test_a_failing_launch_raises_worker_error_and_the_next_launch_works(pool):
     with pytest.raises(nbtrain.WorkerError) as info:
         pool.launch(fail_on, "raise", dashboard=False)
     assert info.value.rank == 1 and info.value.exc_type == "ValueError"
-    # rank 0 waited in an all-reduce for rank 1: the pool had to be ended, and says so
-    assert "workers were ended" in str(info.value)
+    # rank 0 waited in an all-reduce for rank 1: freed, and the pool says how
+    assert FREED in str(info.value) and "Names on" not in str(info.value)
     line = next(i for i, text in enumerate(open(fail_on.__code__.co_filename), 1)
                 if "the healthy ranks wait here" in text)
     assert re.fullmatch(rf"rank 0: stopped by nbtrain, at \S*workloads.py, line {line}, "
                         r"in fail_on: dist.all_reduce\(t\).*", info.value.others[0]), \
         info.value.others
     assert pool.launch(fail_on, "none", dashboard=False).results == [0, 1]
+    assert pool.started == 1  # the same warm workers
 
 
 def test_a_background_launch_can_be_stopped_and_the_pool_goes_on(pool, capsys):
@@ -428,3 +458,68 @@ def test_a_pool_that_cannot_start_says_why_not_that_a_process_was_closed(tmp_pat
     assert "RankCellError: rank 0 failed" in done.stderr, done.stderr[-2000:]
     assert "process object is closed" not in done.stderr
     assert 'Put the launch under `if __name__ == "__main__":`' in done.stderr
+
+
+class _Handle:
+    """What a PoolOp reads of a rank's handle, for the decision test: its signals are
+    taken out of the op, and would reach only a sleeping child of the test."""
+
+    def __init__(self, rank, pid):
+        self.rank, self.pid = rank, pid
+
+
+@pytest.mark.parametrize("idle_peer", [True, False])
+def test_a_stuck_cpu_rank_is_freed_by_an_idle_peer_and_a_gpu_rank_is_not(monkeypatch,
+                                                                         idle_peer):
+    """The decision a pool takes for a rank that does not answer an interrupt, driven by
+    hand (a fake clock, ranks seen asleep): on CPU ranks the idle peers are told to leave
+    the group and the stuck rank gets FREE_S to reply (the pool is ended at once when
+    no peer is idle, and after FREE_S if it stays busy); on GPU ranks nobody is told,
+    and the pool is ended after INTERRUPT_GRACE_S."""
+    import subprocess
+    import sys
+
+    from nbtrain.launch import pool_op
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for cpu in (True, False):
+            _decide(monkeypatch, pool_op, _Handle(0, child.pid), cpu, idle_peer)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _decide(monkeypatch, pool_op, handle, cpu: bool, idle_peer: bool) -> None:
+    killed, told = [], []
+
+    def drop_group(busy):
+        told.append(set(busy))
+        return {1} if idle_peer and len(told) == 1 else set()
+
+    op = pool_op.PoolOp([handle], print, None, lambda: killed.append(True),
+                        watch_cpu=cpu, drop_group=drop_group)
+    try:
+        monkeypatch.setattr(op.watch, "ask_stacks", lambda ranks: None)
+        monkeypatch.setattr(op, "_interrupt", lambda now: None)
+        monkeypatch.setattr(op, "_asleep", lambda now: cpu)  # GPU ranks are not watched
+        op.stop_requested = "interrupted"
+        op._advance(0.0)  # the teardown begins, and (no stacks to wait for) interrupts
+        assert op.interrupted_at == 0.0
+        op._advance(pool_op.STUCK_S)  # asleep since: stuck
+        if not cpu:
+            assert told == [] and killed == [] and not op.freed
+            op._advance(pool_op.INTERRUPT_GRACE_S)
+            assert killed == [True] and op.killed == [0]
+            return
+        assert op.freed == [0] and told == [{0}] and op.stuck
+        if not idle_peer:  # nobody to free it
+            assert killed == [True] and op.killed == [0] and not op.dropped
+            return
+        assert killed == [] and op.dropped == {1}
+        op._advance(pool_op.STUCK_S + pool_op.FREE_S / 2)  # still waiting for it
+        assert killed == [] and told[-1] == {0}
+        op._advance(pool_op.STUCK_S + pool_op.FREE_S + 0.01)  # it never replied
+        assert killed == [True] and op.killed == [0]
+    finally:
+        op.watch.close(end_ranks=False)

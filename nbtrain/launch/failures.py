@@ -28,6 +28,9 @@ class Failure:
     # KeyboardInterrupt of a rank that nbtrain interrupted.
     secondary: bool = False
     hint: str = ""
+    # nbtrain's doing: the error of a rank freed from a stuck collective (a pool's peers
+    # left its process group), shown as the rank being stopped, not as its failure
+    stopped: bool = False
 
 
 def reported_failure(rank: int, body: RankFailure, interrupted: bool) -> Failure:

@@ -10,10 +10,12 @@ ends when every rank it asked has replied rather than exited. ``pool.launch`` ha
 operation to a ``Run`` (``pool_launch.py``), so a pool run is the same ``Run`` that
 ``nbtrain.launch`` returns.
 
-Failure stays contained where the process group survives it: an exception is a reply
-like any other; an interrupt or ``timeout=`` interrupts the busy ranks. A rank that
-does not answer (stuck in a collective) or one that died ends the whole pool, which
-says so and starts again on its next use.
+Failure stays contained: an exception is a reply like any other; an interrupt or
+``timeout=`` interrupts the busy ranks. A CPU rank stuck in a collective its peers are
+not in is freed by them (they drop the process group) and every rank then starts a new
+one, names kept (``pool_channel.py``). A rank that died, or one stuck beyond that help
+(every rank stuck; NCCL), ends the whole pool, which says so and starts again on its
+next use.
 """
 
 from __future__ import annotations
@@ -78,8 +80,11 @@ class RankPool:
 
     A rank that dies between commands is replaced at the next one, which then runs on
     fresh workers (one line says so; names defined in ``%%ranks`` cells are lost). A
-    rank that dies during a command, or ranks stuck in a collective, fail that command
-    and end the workers; the next use starts fresh ones.
+    rank that dies during a command fails that command and ends the workers; the next
+    use starts fresh ones. A CPU rank stuck in a collective the others are not in (a
+    ``%%ranks 0`` cell that all-reduces, a launch whose other rank raised) is freed at
+    the timeout, interrupt or failure: the process group starts again and names are
+    kept. On GPUs (NCCL), or when every rank is stuck, the workers are ended instead.
     """
 
     def __init__(self, devices: int | str | list[int] = "auto", accelerator: str = "auto",

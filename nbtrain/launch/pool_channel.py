@@ -1,7 +1,9 @@
 """A ``RankPool``'s command channel: one command at a time, sent to some of its warm ranks
 and followed by a ``PoolOp`` until each replied. The workers themselves (started, ended,
 restarted) are the pool's lifecycle, ``PoolWorkers`` in ``pool.py``; this side only asks
-it to start them, or to end them when a command found a rank dead or stuck."""
+it to start them, or to end them when a command found a rank dead or stuck beyond help.
+A CPU rank stuck in a collective its peers are not in is freed by them (they drop the
+process group, ``PoolOp``); after that command every rank starts a new group here."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ from typing import Any
 
 from ..cells import busy_while_blocking
 from ..errors import RunTimeoutError, places_of, where_text
-from ..wire import Command, encode_command
+from ..wire import Command, DropGroup, Regroup, encode_command
 from .launcher import interrupts_deferred
 from .pool_op import INTERRUPT_GRACE_S, STUCK_S, PoolOp, cell_error
+
+REGROUP_S = 30.0  # at most this long for the ranks to start a new process group
 
 
 class PoolChannel:
@@ -89,7 +93,8 @@ class PoolChannel:
         workers = self.workers
         handles = [workers.handles[r] for r in ranks]
         op = PoolOp(handles, emit or _writer(), deadline, workers.kill_all, join,
-                    watch_cpu=workers.plan.accelerator == "cpu")
+                    watch_cpu=workers.plan.accelerator == "cpu",
+                    drop_group=None if join else self._dropper())
         if command is not None:
             for h in handles:
                 try:
@@ -100,8 +105,52 @@ class PoolChannel:
         op.start()
         return op
 
+    def _dropper(self):
+        """A command's ``drop_group``: ``DropGroup`` to each live rank of the pool that is
+        not busy (idle in its command loop) and was not told yet; returns those told."""
+        told: set[int] = set()
+
+        def drop_group(busy: set[int]) -> set[int]:
+            sent = set()
+            for h in self.workers.handles:
+                if h.rank in busy or h.rank in told or h.process.exitcode is not None:
+                    continue
+                with contextlib.suppress(OSError):  # it died: the op sees its exit
+                    h.commands.send_bytes(encode_command(DropGroup()))
+                    told.add(h.rank)
+                    sent.add(h.rank)
+            return sent
+
+        return drop_group
+
+    def _regroup(self, op: PoolOp) -> None:
+        """After peers dropped the process group to free ``op.freed``: every rank starts a
+        new one (their names are kept); if that fails, the workers are ended."""
+        again = self.begin(list(range(self.workers.plan.world_size)), Regroup(),
+                           time.monotonic() + REGROUP_S, join=True)
+        again.done.wait()
+        failed = [f"rank {f.rank}: {f.exc_type}: {f.message}" for f in again.failures]
+        if again.crash or again.pool_broken or again.teardown_cause or failed:
+            self.workers.kill_all()
+            self.workers.end("its process group could not be started again after freeing "
+                             f"a stuck rank ({'; '.join(failed) or again.teardown_cause})")
+            return
+        ranks = ", ".join(map(str, op.freed))
+        s = "s" if len(op.freed) > 1 else ""
+        op.regrouped = (
+            f"rank{s} {ranks} {'were' if s else 'was'} stuck in a collective the other "
+            "ranks never joined; the pool freed it by starting its process group again.")
+
+    def note(self, op: PoolOp, cells: bool = False) -> str:
+        """What a command's error adds: the workers were ended, or the group restarted
+        (``cells``: what that means for the names cells made)."""
+        return self.workers.ended_note() or op.regrouped and (op.regrouped + (
+            " Names on the ranks are kept; build again what was built on the old group "
+            "(a DDP or FSDP model, dist.new_group groups)." if cells else ""))
+
     def finish(self, op: PoolOp) -> None:
-        """After a command: end the workers if a rank died or stayed stuck."""
+        """After a command: end the workers if a rank died or stayed stuck; start a new
+        process group if peers dropped theirs to free a stuck rank."""
         op.done.wait()
         if op.crash is not None:
             self.workers.end(f"nbtrain's pool supervisor failed: {op.crash!r}")
@@ -118,6 +167,8 @@ class PoolChannel:
                              f"{', '.join(map(str, op.killed))} did not answer an interrupt "
                              f"{how} (stuck in a collective?)")
             self.workers.end("; ".join(parts))
+        elif op.dropped:
+            self._regroup(op)
 
     def wait(self, op: PoolOp) -> None:
         """Wait in the cell; an interrupt interrupts the ranks (and, if stuck, the pool)."""
@@ -161,15 +212,17 @@ class PoolChannel:
                 if not op.done.is_set():
                     self.interrupt_and_wait(op)
             self.finish(op)
-        note = self.workers.ended_note()
-        failures = {r: w.failure for r, w in op.workers.items() if w.failure}
+        ended, note = self.workers.ended_note(), self.note(op, cells=True)
+        # a freed rank's failure (its wait failed as its peers left) is not the cell's
+        failures = {r: w.failure for r, w in op.workers.items()
+                    if w.failure and not w.failure.stopped}
         at = places_of(op.workers)  # where the busy ranks were when it was torn down
         if interrupted and (op.interrupted or not failures):
             if not op.interrupted:  # every rank had replied before the interrupt
                 raise KeyboardInterrupt(note)
             raise KeyboardInterrupt("\n".join(filter(None, [
-                note or f"interrupted on rank(s) {op.interrupted}; the pool is still usable",
-                where_text({r: at[r] for r in op.interrupted})])))
+                ended or f"interrupted on rank(s) {op.interrupted}; the pool is still usable",
+                not ended and note, where_text({r: at[r] for r in op.interrupted})])))
         if op.teardown_cause == "timeout":
             err = RunTimeoutError(timeout, op.timed_out_ranks,
                                   [r for r in ranks if r not in op.timed_out_ranks],
@@ -178,8 +231,8 @@ class PoolChannel:
             err.args = (err._text(),)
             raise err
         if failures:  # where the ranks it ended were (the others' tracebacks say it)
-            raise cell_error(failures, "\n".join(
-                filter(None, [note, where_text({r: at[r] for r in op.killed})])))
+            raise cell_error(failures, "\n".join(filter(None, [
+                note, where_text({r: at[r] for r in [*op.killed, *op.freed]})])))
         return op
 
 

@@ -73,7 +73,7 @@ class PoolLaunch:
                 if server is not None:
                     server.drain_and_close(ranks)
                 pool.channel.finish(op)
-                note = pool.workers.ended_note()  # the run's error says what became of us
+                note = pool.channel.note(op)  # the run's error says what became of us
                 for f in op.failures if note else ():
                     f.hint = (f.hint + "\n" + note).strip()
             finally:

@@ -4,13 +4,18 @@ exited, and the error a failed cell raises (``RankCellError``).
 
 Teardown differs from a one-shot run's. A failure, a stop (an interrupt) or the
 deadline first asks the ranks still busy where they are (their stacks, as a one-shot
-run's supervisor does), then sends them SIGINT, again every ``RESEND_S``; only
-ranks that do not answer get the whole pool ended: a rank stuck in a collective sits in a
-native wait that holds off Python's signal handlers. On CPU ranks that is seen, not
-waited out: a busy rank that sleeps without using the CPU for ``STUCK_S`` after a failure
-is interrupted at once, and one that still does ``STUCK_S`` after the interrupt is stuck
-(a rank in Python code answers within milliseconds; a collective that moves data, or a
-long op, uses the CPU). Elsewhere, and where /proc is missing, ``INTERRUPT_GRACE_S``.
+run's supervisor does), then sends them SIGINT, again every ``RESEND_S``. A rank stuck in
+a collective sits in a native wait that holds off Python's signal handlers. On CPU ranks
+that is seen, not waited out: a busy rank that sleeps without using the CPU for
+``STUCK_S`` after a failure is interrupted at once, and one that still does ``STUCK_S``
+after the interrupt is stuck (a rank in Python code answers within milliseconds; a
+collective that moves data, or a long op, uses the CPU). A stuck CPU rank is freed by its
+peers: the idle ranks drop the process group (gloo's wait then fails at once), and the
+pool starts a new group once every rank replied (``PoolChannel.finish``); names on the
+ranks are kept. Only ranks that no idle peer can free (all stuck), or that stay busy
+``FREE_S`` after, get the whole pool ended; on GPU ranks (NCCL waits on the device, and
+a peer's leaving does not end them), and where /proc is missing, those that do not
+answer within ``INTERRUPT_GRACE_S``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ RESEND_S = 0.25  # SIGINT again to ranks that have not replied yet
 FAILED_RANK_GRACE_S = 1.0
 # A busy CPU rank asleep this long without CPU time is waiting in native code.
 STUCK_S = 0.3
+# After the idle ranks dropped the process group, how long the stuck ones get to reply
+# (gloo fails their wait within milliseconds; then their own code unwinds).
+FREE_S = 2.0
 
 
 class RankCellError(WorkerError):
@@ -60,21 +68,29 @@ class PoolOp(Follower):
     """One command on some of the pool's ranks, followed until each of them replied.
 
     A failure, a stop or the deadline first asks the ranks still busy for their stacks
-    (each one's ``where``), then interrupts them, and only
-    ranks that do not answer (seen asleep without CPU time on CPU ranks, ``watch_cpu``;
-    else within ``INTERRUPT_GRACE_S``) get the whole pool ended (``kill_pool``). The
-    ranks and their pipes stay the pool's."""
+    (each one's ``where``), then interrupts them. Ranks that do not answer and are seen
+    asleep without CPU time (CPU ranks, ``watch_cpu``) are freed by their idle peers
+    (``drop_group(busy ranks)`` sends each live idle rank not yet told ``DropGroup`` and
+    returns those it told; ``dropped``: all it told). Ranks no peer frees, or that do not
+    answer (within ``INTERRUPT_GRACE_S`` where nothing is watched) get the whole pool
+    ended (``kill_pool``). The ranks and their pipes stay the pool's."""
 
     thread_name = "nbtrain-pool-op"
     owns_ranks = False
 
     def __init__(self, handles: list[WorkerHandle], emit, deadline: float | None,
-                 kill_pool: Callable[[], None], join: bool = False, watch_cpu: bool = False):
+                 kill_pool: Callable[[], None], join: bool = False, watch_cpu: bool = False,
+                 drop_group: Callable[[set[int]], set[int]] | None = None):
         super().__init__(handles, emit, deadline, join)
         self._kill_pool = kill_pool
         # CPU ranks only: a GPU rank can sleep in a long device sync and still answer.
         self._quiet = Quiet() if watch_cpu else None
-        self.stuck = False  # the killed ranks were seen asleep, not only late
+        self._drop_group = drop_group if watch_cpu else None
+        self.stuck = False  # the killed (or freed) ranks were seen asleep, not only late
+        self.freed: list[int] = []  # stuck ranks whose peers dropped the group to free them
+        self.dropped: set[int] = set()  # the ranks told to drop it (then: start it again)
+        self._freeing_at: float | None = None
+        self.regrouped = ""  # what the channel says once it started a new group
         self.interrupted_at: float | None = None
         self._stacks_asked_at: float | None = None
         self._sigint_at = 0.0
@@ -103,6 +119,10 @@ class PoolOp(Follower):
             now = time.monotonic()
         self.watch.read_stacks()
         watch.drain_available()
+        for r in self.freed:  # what their wait raised as the peers left is ours, not theirs
+            failure = self.workers[r].failure
+            if failure is not None:
+                failure.stopped = failure.secondary = True
 
     def _advance(self, now: float) -> None:
         watch = self.watch
@@ -121,12 +141,24 @@ class PoolOp(Follower):
                 self._interrupt(now)
         elif not self.killed and watch.busy():
             waited = now - self.interrupted_at
-            if waited >= INTERRUPT_GRACE_S or (self._asleep(now) and waited >= STUCK_S):
+            stuck = waited >= STUCK_S and self._asleep(now)
+            if stuck and self._freeing_at is None and self._drop_group is not None:
+                self.stuck, self._freeing_at = True, now
+                self.freed = [w.rank for w in watch.busy()]
+            if self._freeing_at is not None:
+                # each pass: a rank freed in turn may hold up the next
+                self.dropped |= self._drop_group({w.rank for w in watch.busy()})
+                if not self.dropped or now - self._freeing_at >= FREE_S:
+                    self._kill()
+            elif waited >= INTERRUPT_GRACE_S or stuck:
                 self.stuck = waited < INTERRUPT_GRACE_S
-                self.killed = [w.rank for w in watch.busy()]
-                self._kill_pool()
+                self._kill()
             elif now - self._sigint_at >= RESEND_S:
                 self._interrupt(now)
+
+    def _kill(self) -> None:
+        self.killed = [w.rank for w in self.watch.busy()]
+        self._kill_pool()
 
     def _stacks_due(self, now: float) -> bool:
         """Whether stacks were asked for, and some are still to come (within STACKS_S)."""

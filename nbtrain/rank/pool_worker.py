@@ -12,6 +12,8 @@ worker's format (a result or a failure) or one of its own:
   worker; then what it made is freed (``free``), so the next run's memory starts clean.
 - ``Pull`` / ``Push``: a name of the namespace, out (tensors on CPU) or in (dill bytes).
 - ``MemoryQuery``: what this rank holds now (a memory message).
+- ``DropGroup`` (no reply): destroy the process group, which frees a peer stuck in a
+  collective this rank is not in; ``Regroup``: start it again, as the pool's start does.
 - ``Exit``.
 
 An interrupt is a SIGINT from the kernel to this process only; it raises
@@ -34,12 +36,14 @@ from ..spec import WorkerSpec
 from ..wire import (
     READY,
     CellValue,
+    DropGroup,
     Exec,
     Exit,
     LaunchRun,
     MemoryQuery,
     Pull,
     Push,
+    Regroup,
     decode_command,
     encode_failure,
     encode_memory,
@@ -95,7 +99,19 @@ def serve(spec: WorkerSpec, commands, control) -> None:
             command = decode_command(data)
             if isinstance(command, Exit):
                 leave(0)
-            reply = _handle(spec, command, namespace, control.send_bytes)
+            if isinstance(command, DropGroup):  # no reply: an error shows at Regroup
+                try:
+                    drop_group()
+                except Exception as err:
+                    print(f"nbtrain: rank {spec.rank} could not end its process group: "
+                          f"{err!r}", file=sys.stderr, flush=True)
+                continue
+            if isinstance(command, Regroup):
+                drop_group()
+                init_distributed(spec, control, commands)
+                reply = encode_value(CellValue())
+            else:
+                reply = _handle(spec, command, namespace, control.send_bytes)
         except BaseException as exc:  # an interrupt that landed between two lines of
             reply = encode_failure(exc, spec.rank, (__file__,))  # ours, or no command
         _State.busy = False
@@ -156,6 +172,14 @@ def run_cell(code: str, filename: str, namespace: dict) -> str | None:
     namespace["_"] = value
     text = repr(value)
     return text if len(text) <= MAX_REPR else text[:MAX_REPR] + " ..."
+
+
+def drop_group() -> None:
+    """Destroy the default process group (and every group made from it), if any."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def free(spec: WorkerSpec) -> None:
