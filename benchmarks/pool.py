@@ -64,7 +64,7 @@ def stuck_then_next(free):
         pool.run("dist.all_reduce(torch.ones(1))", ranks=0, timeout=1)
     except nbtrain.RunTimeoutError:
         pass
-    kept = pool.run("print(rank)\n'keep' in globals()") == {0: "True", 1: "True"}
+    kept = pool.run("print(rank)\\n'keep' in globals()") == {0: "True", 1: "True"}
     pool.channel.__dict__.pop("_dropper", None)
     return time.monotonic() - t - 1, kept
 """

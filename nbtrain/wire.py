@@ -367,8 +367,11 @@ class Exit:
 
 @dataclasses.dataclass(frozen=True)
 class DropGroup:
-    """Destroy the process group, to free a peer stuck in a collective this rank is not
-    in (gloo: its wait fails at once). Sent to idle ranks only; no reply."""
+    """Shut down ``fds`` (this rank's TCP connections to the other ranks, ``links.py``)
+    and destroy the process group, to free a peer stuck in a collective this rank is not
+    in: its wait fails at once. Sent to idle ranks only; no reply."""
+
+    fds: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

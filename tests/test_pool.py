@@ -136,8 +136,10 @@ FREED = ("rank 0 was stuck in a collective the other ranks never joined; the poo
 def test_a_timeout_names_the_rank_stuck_in_a_collective_and_the_pool_frees_it(pool):
     """A collective on one rank alone (the teaching mistake): at the timeout it is named
     where it waits, its peer leaves the process group to free it, and the pool goes on
-    with the same workers, their names and a new group."""
-    pool.run("keep = rank * 10")
+    with the same workers, their names and a new group. A DDP model in the names holds
+    the old group (its sockets stay open when the group is destroyed): the peer shuts
+    its connections down, so the stuck rank is freed all the same."""
+    pool.run("keep = rank * 10\nold = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))")
     pids = [r["pid"] for r in pool.status]
     t = time.monotonic()
     with pytest.raises(nbtrain.RunTimeoutError) as info:
@@ -158,6 +160,11 @@ def test_a_timeout_names_the_rank_stuck_in_a_collective_and_the_pool_frees_it(po
     with pytest.raises(nbtrain.RunTimeoutError, match="rank 1 was stuck"):
         pool.run("dist.barrier()", ranks=1, timeout=1)  # the other rank not even asked
     assert pool.run("keep") == {0: "0", 1: "10"} and pool.started == 1
+    # a model built again on the new group trains
+    pool.run("new = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+             "new(torch.ones(1, 2) * rank).sum().backward()")
+    grads = pool.run("new.module.weight.grad.tolist()")
+    assert grads[0] == grads[1] == "[[0.5, 0.5], [0.5, 0.5]]", grads
 
 
 def test_ranks_stuck_with_no_idle_peer_to_free_them_end_the_pool(pool):
@@ -458,6 +465,47 @@ def test_a_pool_that_cannot_start_says_why_not_that_a_process_was_closed(tmp_pat
     assert "RankCellError: rank 0 failed" in done.stderr, done.stderr[-2000:]
     assert "process object is closed" not in done.stderr
     assert 'Put the launch under `if __name__ == "__main__":`' in done.stderr
+
+
+def test_links_are_the_tcp_connections_between_the_ranks_only():
+    """What a pool shuts down to free a stuck rank: each rank's TCP connections to another
+    rank (here this process, rank 0, and a child, rank 1), not its listening sockets nor
+    its connections to a process outside the pool."""
+    import socket
+    import subprocess
+    import sys
+
+    from nbtrain.launch.links import links
+
+    if not os.path.exists(f"/proc/{os.getpid()}/net/tcp"):
+        pytest.skip("no /proc here: a stuck rank's peers only destroy their group")
+    script = ("import socket, sys, time\n"
+              "if sys.argv[1] == 'listen':\n"
+              "    s = socket.create_server(('127.0.0.1', 0))\n"
+              "    print(s.getsockname()[1], flush=True)\n"
+              "    c, _ = s.accept()\n"
+              "else:\n"
+              "    c = socket.create_connection(('127.0.0.1', int(sys.argv[1])))\n"
+              "    print(c.fileno(), flush=True)\n"
+              "time.sleep(60)\n")
+    listener = socket.create_server(("127.0.0.1", 0))
+    outsider = subprocess.Popen([sys.executable, "-c", script, "listen"], stdout=subprocess.PIPE)
+    rank1 = subprocess.Popen([sys.executable, "-c", script, str(listener.getsockname()[1])],
+                             stdout=subprocess.PIPE)
+    try:
+        to_outsider = socket.create_connection(("127.0.0.1", int(outsider.stdout.readline())))
+        accepted, _ = listener.accept()
+        their_fd = int(rank1.stdout.readline())
+        assert links({0: os.getpid(), 1: rank1.pid}) == {0: (accepted.fileno(),),
+                                                          1: (their_fd,)}
+        assert links({}) == {}
+        to_outsider.close()
+        accepted.close()
+    finally:
+        for p in (outsider, rank1):
+            p.kill()
+            p.wait()
+        listener.close()
 
 
 class _Handle:

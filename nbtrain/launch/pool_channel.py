@@ -17,6 +17,7 @@ from ..cells import busy_while_blocking
 from ..errors import RunTimeoutError, places_of, where_text
 from ..wire import Command, DropGroup, Regroup, encode_command
 from .launcher import interrupts_deferred
+from .links import links
 from .pool_op import INTERRUPT_GRACE_S, STUCK_S, PoolOp, cell_error
 
 REGROUP_S = 30.0  # at most this long for the ranks to start a new process group
@@ -107,19 +108,19 @@ class PoolChannel:
 
     def _dropper(self):
         """A command's ``drop_group``: ``DropGroup`` to each live rank of the pool that is
-        not busy (idle in its command loop) and was not told yet; returns those told."""
+        not busy (idle in its command loop) and was not told yet, with the connections it
+        has to the other ranks; returns those told now."""
         told: set[int] = set()
 
         def drop_group(busy: set[int]) -> set[int]:
-            sent = set()
-            for h in self.workers.handles:
-                if h.rank in busy or h.rank in told or h.process.exitcode is not None:
-                    continue
+            handles = [h for h in self.workers.handles if h.process.exitcode is None]
+            idle = [h for h in handles if h.rank not in busy and h.rank not in told]
+            fds = links({h.rank: h.pid for h in handles}) if idle else {}
+            for h in idle:
                 with contextlib.suppress(OSError):  # it died: the op sees its exit
-                    h.commands.send_bytes(encode_command(DropGroup()))
+                    h.commands.send_bytes(encode_command(DropGroup(fds.get(h.rank, ()))))
                     told.add(h.rank)
-                    sent.add(h.rank)
-            return sent
+            return {h.rank for h in idle} & told
 
         return drop_group
 

@@ -12,8 +12,9 @@ worker's format (a result or a failure) or one of its own:
   worker; then what it made is freed (``free``), so the next run's memory starts clean.
 - ``Pull`` / ``Push``: a name of the namespace, out (tensors on CPU) or in (dill bytes).
 - ``MemoryQuery``: what this rank holds now (a memory message).
-- ``DropGroup`` (no reply): destroy the process group, which frees a peer stuck in a
-  collective this rank is not in; ``Regroup``: start it again, as the pool's start does.
+- ``DropGroup`` (no reply): shut down the connections to the other ranks and destroy
+  the process group, which frees a peer stuck in a collective this rank is not in;
+  ``Regroup``: start a group again, as the pool's start does.
 - ``Exit``.
 
 An interrupt is a SIGINT from the kernel to this process only; it raises
@@ -101,6 +102,7 @@ def serve(spec: WorkerSpec, commands, control) -> None:
                 leave(0)
             if isinstance(command, DropGroup):  # no reply: an error shows at Regroup
                 try:
+                    cut(command.fds)
                     drop_group()
                 except Exception as err:
                     print(f"nbtrain: rank {spec.rank} could not end its process group: "
@@ -172,6 +174,19 @@ def run_cell(code: str, filename: str, namespace: dict) -> str | None:
     namespace["_"] = value
     text = repr(value)
     return text if len(text) <= MAX_REPR else text[:MAX_REPR] + " ..."
+
+
+def cut(fds: tuple[int, ...]) -> None:
+    """Shut down these TCP connections (both ways): the process at the other end sees
+    them closed, whatever here still holds them open."""
+    import socket
+
+    for fd in fds:
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed meanwhile, or not a connected socket any more
+            pass
 
 
 def drop_group() -> None:
