@@ -167,6 +167,19 @@ def test_a_timeout_names_the_rank_stuck_in_a_collective_and_the_pool_frees_it(po
     assert grads[0] == grads[1] == "[[0.5, 0.5], [0.5, 0.5]]", grads
 
 
+def test_a_group_that_cannot_start_again_ends_the_pool_and_says_why(pool):
+    """The stuck rank is freed, but a rank cannot join the new group (its start raises,
+    as a store that cannot be reached would): the workers are ended, saying why."""
+    pool.run("import sys\ndef boom(*args):\n    raise RuntimeError('no store for you')\n"
+             "sys.modules['nbtrain.rank.pool_worker'].init_distributed = boom", ranks=1)
+    # (a rank that cannot join leaves: the store's address must not reach its commands)
+    with pytest.raises(nbtrain.RunTimeoutError) as info:
+        pool.run("dist.barrier()", ranks=0, timeout=1)
+    assert "workers were ended: its process group could not be started again after " \
+           "freeing a stuck rank (rank 1: RuntimeError: no store for you)" in str(info.value)
+    assert pool.run("rank") == {0: "0", 1: "1"} and pool.started == 2
+
+
 def test_ranks_stuck_with_no_idle_peer_to_free_them_end_the_pool(pool):
     """Every rank waits for another (rank 0 in a barrier, rank 1 for a message rank 0
     never sends): no peer can leave the group to free them, so the pool ends them."""

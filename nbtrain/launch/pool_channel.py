@@ -132,7 +132,6 @@ class PoolChannel:
         again.done.wait()
         failed = [f"rank {f.rank}: {f.exc_type}: {f.message}" for f in again.failures]
         if again.crash or again.pool_broken or again.teardown_cause or failed:
-            self.workers.kill_all()
             self.workers.end("its process group could not be started again after freeing "
                              f"a stuck rank ({'; '.join(failed) or again.teardown_cause})")
             return

@@ -68,11 +68,7 @@ def main(spec: WorkerSpec, payload: Any, control, out_w, err_w, commands) -> Non
 
 def serve(spec: WorkerSpec, commands, control) -> None:
     os.environ.update(spec.environ())
-    try:
-        init_distributed(spec, control, commands)
-    except BaseException as exc:
-        control.send_bytes(encode_failure(exc, spec.rank, (__file__,)))
-        leave(1)
+    join(spec, control, commands)
     import torch
     import torch.distributed as dist
 
@@ -110,7 +106,7 @@ def serve(spec: WorkerSpec, commands, control) -> None:
                 continue
             if isinstance(command, Regroup):
                 drop_group()
-                init_distributed(spec, control, commands)
+                join(spec, control, commands)
                 reply = encode_value(CellValue())
             else:
                 reply = _handle(spec, command, namespace, control.send_bytes)
@@ -125,6 +121,17 @@ def serve(spec: WorkerSpec, commands, control) -> None:
         control.send_bytes(reply)
         if isinstance(command, LaunchRun):
             free(spec)
+
+
+def join(spec: WorkerSpec, control, commands) -> None:
+    """Start the process group (at the pool's start, or again after ``DropGroup``); a
+    rank that cannot says why and leaves: without a group it is of no use, and the
+    store's address sent for the start would reach its command loop."""
+    try:
+        init_distributed(spec, control, commands)
+    except BaseException as exc:
+        control.send_bytes(encode_failure(exc, spec.rank, (__file__,)))
+        leave(1)
 
 
 def _handle(spec: WorkerSpec, command, namespace: dict, report) -> bytes:
