@@ -139,7 +139,8 @@ class PoolChannel:
         s = "s" if len(op.freed) > 1 else ""
         op.regrouped = (
             f"rank{s} {ranks} {'were' if s else 'was'} stuck in a collective the other "
-            "ranks never joined; the pool freed it by starting its process group again.")
+            f"ranks never joined; the pool freed {'them' if s else 'it'} by starting its "
+            "process group again.")
 
     def note(self, op: PoolOp, cells: bool = False) -> str:
         """What a command's error adds: the workers were ended, or the group restarted
