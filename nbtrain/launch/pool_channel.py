@@ -8,6 +8,7 @@ process group, ``PoolOp``); after that command every rank starts a new group her
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import threading
 import time
@@ -128,7 +129,7 @@ class PoolChannel:
         """After peers dropped the process group to free ``op.freed``: every rank starts a
         new one (their names are kept); if that fails, the workers are ended."""
         again = self.begin(list(range(self.workers.plan.world_size)), Regroup(),
-                           time.monotonic() + REGROUP_S, join=True)
+                           time.monotonic() + REGROUP_S, _quieter(_writer()), join=True)
         again.done.wait()
         failed = [f"rank {f.rank}: {f.exc_type}: {f.message}" for f in again.failures]
         if again.crash or again.pool_broken or again.teardown_cause or failed:
@@ -235,6 +236,20 @@ class PoolChannel:
             raise cell_error(failures, "\n".join(filter(None, [
                 note, where_text({r: at[r] for r in [*op.killed, *op.freed]})])))
         return op
+
+
+# what gloo writes as a group starts (torch 2.10 and 2.11 do), not the user's output
+_GLOO_START = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+
+
+def _quieter(emit):
+    """What ranks write while their group starts again goes to stderr (it is not the
+    cell's output), without gloo's line saying so."""
+    def quieter(rank: int, stream: str, line: str) -> None:
+        if not _GLOO_START.match(line):
+            emit(rank, "err", line)
+
+    return quieter
 
 
 def _writer():
