@@ -10,7 +10,8 @@
 
 Each rank keeps its own namespace across cells, with ``rank``, ``world_size``,
 ``device``, ``dist`` and ``torch`` defined. ``--timeout S`` ends a cell that runs longer
-(a hung collective) and names the ranks still in it. The workers never import IPython.
+(a hung collective) and names the ranks still in it; a CPU rank stuck in a collective is
+freed by the others and the pool goes on. The workers never import IPython.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class RankMagics(Magics):
               help="the ranks to run the cell on: all (the default), 0, or 0,1,...")
     @argument("-t", "--timeout", type=float, default=None, metavar="SECONDS",
               help="end the cell after this long and name the ranks still in it (a hung "
-                   "collective)")
+                   "collective: on CPU ranks the others free it, and the names stay)")
     @cell_magic
     def ranks(self, line: str, cell: str):
         """Run the cell on the ranks of the active RankPool (nbtrain.RankPool).
