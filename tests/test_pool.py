@@ -180,6 +180,34 @@ def test_a_group_that_cannot_start_again_ends_the_pool_and_says_why(pool):
     assert pool.run("rank") == {0: "0", 1: "1"} and pool.started == 2
 
 
+def test_an_interrupt_while_the_group_starts_again_ends_the_pool(pool, tmp_path):
+    """An interrupt while the ranks start their new group (rank 1's start hangs here)
+    ends the pool rather than leave it half started, and says so."""
+    started = tmp_path / "in the new group's start"
+    pool.run(f"import sys, time\ndef slow(*args):\n    open({str(started)!r}, 'w').close()\n"
+             "    time.sleep(60)\nsys.modules['nbtrain.rank.pool_worker'].init_distributed = slow",
+             ranks=1)
+
+    def interrupt_once_started():
+        deadline = time.monotonic() + 30
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        signal.raise_signal(signal.SIGINT)
+
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a kernel
+    timer = threading.Thread(target=interrupt_once_started)
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt, match="workers were ended: interrupted while "
+                                                    "its process group started again"):
+            pool.run("dist.barrier()", ranks=0, timeout=1)
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, outer)
+    assert started.exists()
+    assert pool.run("rank") == {0: "0", 1: "1"} and pool.started == 2
+
+
 def test_ranks_stuck_with_no_idle_peer_to_free_them_end_the_pool(pool):
     """Every rank waits for another (rank 0 in a barrier, rank 1 for a message rank 0
     never sends): no peer can leave the group to free them, so the pool ends them."""

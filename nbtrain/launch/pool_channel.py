@@ -130,7 +130,13 @@ class PoolChannel:
         new one (their names are kept); if that fails, the workers are ended."""
         again = self.begin(list(range(self.workers.plan.world_size)), Regroup(),
                            time.monotonic() + REGROUP_S, _quieter(_writer()), join=True)
-        again.done.wait()
+        try:
+            while not again.done.wait(0.05):
+                pass
+        except KeyboardInterrupt:  # the pool is not left half started
+            self.interrupt_and_wait(again)
+            self.workers.end("interrupted while its process group started again")
+            raise KeyboardInterrupt(self.workers.ended_note()) from None
         failed = [f"rank {f.rank}: {f.exc_type}: {f.message}" for f in again.failures]
         if again.crash or again.pool_broken or again.teardown_cause or failed:
             self.workers.end("its process group could not be started again after freeing "
