@@ -58,6 +58,7 @@ class Context:
         self._scaler = None
         self._skipped = 0  # fp16 steps the loss scaler skipped
         self._model: nn.Module | None = None  # the model ctx.setup returned last
+        self._models: list[nn.Module] = []  # all of them (all in eval mode: evaluating)
         self._optimizers: list[torch.optim.Optimizer] = []  # and its optimizers
         self._batches = 0  # the index the next batch from ctx.dataloader gets
         self._batch_seen = False
@@ -81,11 +82,8 @@ class Context:
 
     @property
     def step(self) -> int:
-        """Index of the current batch from ``ctx.dataloader`` (or of the ``log`` call).
-
-        Settable: after resuming from a checkpoint, ``ctx.step = saved_step + 1`` makes
-        the next batch (or ``log`` call) that step, so the curves continue.
-        """
+        """Index of the current training batch from ``ctx.dataloader`` (or of the ``log``
+        call). Settable: ``ctx.step = n`` makes the next batch (or ``log`` call) step n."""
         return self._batches - 1 if self._batch_seen else self._logs
 
     @step.setter
@@ -139,6 +137,7 @@ class Context:
                 meta_values.materialize, sources=meta_values.sources(model, self._init_recording))
         wrapped, optimizers = strategy.setup(model, optimizers, self, materialize)
         self._model = wrapped
+        self._models.append(wrapped)
         self._optimizers = list(optimizers)
         if self._recorder is not None:
             self._recorder.watch(wrapped, optimizers, strategy)
@@ -174,14 +173,12 @@ class Context:
             yield
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` as the strategy does it: scaled in fp16; DeepSpeed's
-        engine's own backward."""
+        """``loss.backward()`` as the strategy does it (scaled in fp16; DeepSpeed's own)."""
         self.strategy.backward(self._model, loss, self._scaler)
 
     @property
     def skipped_steps(self) -> int:
-        """fp16: how many optimizer steps the loss scaler skipped so far (their gradients
-        held inf or nan; the scale was lowered instead). Also on the dashboard."""
+        """fp16: optimizer steps the loss scaler skipped so far (inf or nan gradients)."""
         return self._skipped
 
     def _step_skipped(self, optimizer: torch.optim.Optimizer) -> None:
@@ -309,10 +306,10 @@ class Context:
         """A DataLoader over this rank's shard of ``dataset``; batches arrive on ``ctx.device``.
 
         Reshuffles every epoch (``set_epoch`` is called for you). The order's ``seed`` must
-        be the same on every rank; by default it is ``launch(seed=...)`` when given, else
-        0 (torch's and Lightning's default). ``kwargs`` go to
-        ``torch.utils.data.DataLoader`` (``num_workers``, ``collate_fn``, ...).
-        """
+        be the same on every rank; by default ``launch(seed=...)``, else 0 (as torch and
+        Lightning). ``kwargs`` go to ``DataLoader`` (``num_workers``, ``collate_fn``, ...).
+        A pass begun after ``model.eval()`` evaluates: its batches are no training steps;
+        ``loader.gather(values)`` puts the ranks' per-sample values together."""
         if isinstance(dataset, IterableDataset):
             raise TypeError("ctx.dataloader shards map-style datasets (with __len__ and "
                             "__getitem__). For an IterableDataset, yield every "
@@ -331,8 +328,11 @@ class Context:
         kwargs.setdefault("pin_memory", self.device.type == "cuda")
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                             drop_last=drop_last, **kwargs)
-        made = DeviceLoader(loader, sampler, self.device, on_batch=self._on_batch,
-                            on_data_time=self._data_clock(), on_epoch_end=self._on_epoch_end)
+        made = DeviceLoader(
+            loader, sampler, self.device, on_batch=self._on_batch,
+            on_data_time=self._data_clock(), on_epoch_end=self._on_epoch_end,
+            training=lambda: not self._models or any(m.training for m in self._models),
+            on_evaluation=self._on_epoch_end)
         self._loaders.append(made)
         if self._checkpoints is not None and self._checkpoints.loader is None:
             self._checkpoints.attach(made)  # the first loader after checkpoint_every

@@ -2,16 +2,20 @@
 (``DistributedSampler``), each batch moved to the rank's device, its steps counted and
 the time spent waiting for batches measured (telemetry's step boundaries and "data").
 It knows where it is (epoch, batch) and can go on from there after a restart
-(``ctx.checkpoint_every``)."""
+(``ctx.checkpoint_every``). A pass made while the models are in eval mode is an
+evaluation: its batches are no training steps, and ``gather`` puts the ranks' per-sample
+results together, each sample once."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 
@@ -31,12 +35,17 @@ class DeviceLoader:
     begins a step (``on_batch(samples, epoch, batches per epoch)``), how long the batch
     took to load and move (``on_data_time(seconds)``; None: not timed) and when an epoch
     ends. ``on_fetch``, when set, is called before each batch is fetched: the boundary
-    between two steps, where ``ctx.checkpoint_every`` saves."""
+    between two steps, where ``ctx.checkpoint_every`` saves. A pass that begins while
+    ``training()`` is False (every model ``ctx.setup`` returned is in eval mode) is an
+    evaluation: ``on_evaluation()`` closes the step in progress and its batches are no
+    steps."""
 
     def __init__(self, loader: DataLoader, sampler: ResumableSampler, device: torch.device,
                  on_batch: Callable[[int, int, int], None],
                  on_data_time: Callable[[float], None] | None,
-                 on_epoch_end: Callable[[], None]):
+                 on_epoch_end: Callable[[], None],
+                 training: Callable[[], bool] = lambda: True,
+                 on_evaluation: Callable[[], None] = lambda: None):
         self.loader = loader
         self.sampler = sampler
         self.epoch = 0
@@ -45,6 +54,7 @@ class DeviceLoader:
         self.device = device
         self._on_batch, self._on_data_time = on_batch, on_data_time
         self._on_epoch_end = on_epoch_end
+        self._training, self._on_evaluation = training, on_evaluation
         self.on_fetch: Callable[[DeviceLoader], None] | None = None
         self._resume: tuple[int, int] | None = None
         self._done_epochs = 0  # epochs a resumed loader hands out empty
@@ -95,6 +105,12 @@ class DeviceLoader:
         self.sampler.set_epoch(self.epoch)
         device = self.device
         non_blocking = device.type == "cuda"
+        if not self._training():  # an evaluation: no steps, no checkpoints, not timed
+            self._on_evaluation()
+            for batch in self.loader:
+                yield _to_device(batch, device, non_blocking)
+            self.epoch += 1
+            return
         steps = len(self.loader)
         batches = iter(self.loader)
         timed = self._on_data_time
@@ -119,6 +135,54 @@ class DeviceLoader:
         self._on_epoch_end()
         self.epoch += 1
         self.batch = 0
+
+    def gather(self, values: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        """Every rank's per-sample ``values`` from its last pass over this loader, put
+        together on every rank: one row per sample of the dataset, in the dataset's
+        order, each sample once (the samples ``DistributedSampler`` repeats so that every
+        rank gets as many are dropped). ``values``: a tensor with one row per sample
+        this rank's pass yielded, or the list of its batches' tensors. Every rank must
+        call it. For a validation loss or accuracy that counts each sample once::
+
+            model.eval()
+            with torch.no_grad():
+                losses = [F.cross_entropy(model(x), y, reduction="none") for x, y in val]
+            val_loss = val.gather(losses).mean()
+        """
+        if isinstance(values, (list, tuple)):
+            values = torch.cat(list(values)) if values else torch.empty(0)
+        if not isinstance(values, torch.Tensor) or values.dim() == 0:
+            raise TypeError(f"loader.gather takes a tensor with one row per sample (or a "
+                            f"list of the batches' tensors), got {type(values).__name__}"
+                            f"{' of 0 dimensions' if isinstance(values, torch.Tensor) else ''}.")
+        sampler = self.sampler
+        if sampler.drop_last:
+            raise ValueError("loader.gather needs every sample, and this loader "
+                             "drops the last ones (drop_last=True): make the evaluation's "
+                             "loader with ctx.dataloader(dataset, batch_size) alone.")
+        if len(values) != sampler.num_samples:
+            raise ValueError(f"loader.gather takes one row per sample of this "
+                             f"rank's pass over the loader, {sampler.num_samples}; got "
+                             f"{len(values)}. Pass every batch's values, from one whole pass.")
+        shapes = [None] * sampler.num_replicas
+        dist.all_gather_object(shapes, f"{tuple(values.shape)} {values.dtype}")
+        if len(set(shapes)) > 1:
+            raise ValueError("loader.gather: the ranks' values differ in shape or dtype ("
+                             + ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
+                             + "); give each sample's values the same shape and dtype on every rank.")
+        parts = [torch.empty_like(values) for _ in range(sampler.num_replicas)]
+        dist.all_gather(parts, values.contiguous())
+        out = values.new_empty((len(sampler.dataset), *values.shape[1:]))
+        for r, part in enumerate(parts):
+            out[torch.tensor(_indices(sampler, r), device=out.device)] = part
+        return out
+
+
+def _indices(sampler: DistributedSampler, rank: int) -> list[int]:
+    """The dataset indices ``rank``'s sampler gives in the sampler's current epoch."""
+    other = copy.copy(sampler)
+    other.rank = rank
+    return list(DistributedSampler.__iter__(other))
 
 
 def _batch_size(batch: Any) -> int:

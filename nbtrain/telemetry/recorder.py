@@ -155,6 +155,8 @@ class Recorder:
 
     def _boundary(self, step: int, samples: int) -> None:
         now = time.monotonic()
+        if self._last is None:  # after a gap (an evaluation, a save, between epochs)
+            self._forget()
         self._close_step(now)
         self._step, self._last, self._samples = step, now, samples
         if self.device.type == "cuda":  # the peak read after this step is this step's
@@ -182,6 +184,16 @@ class Recorder:
             if counts:
                 self.client.send(Comm(rank=self.rank, step=self._step, t=now,
                                       counts=counts, bytes=sizes))
+
+    def _forget(self) -> None:
+        """What ran between two steps (an evaluation's forwards and collectives) is in
+        neither: none of it goes to the next."""
+        if self.clock is not None:
+            self.clock.forget()
+        if self.comm:
+            self.comm.take()
+            if self._ddp is not None:
+                self._ddp.take()
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._paused:

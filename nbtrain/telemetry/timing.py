@@ -176,6 +176,10 @@ class StepClock:
         """It ended."""
 
     # -- one step ------------------------------------------------------------------------
+    def forget(self) -> None:
+        """What was timed since the last step closed belongs to no step (a gap)."""
+        self._acc, self._waited = dict.fromkeys(PHASES, 0.0), 0.0
+
     def close(self, made: Callable[[dict], Any], duration: float) -> list:
         """The step's event, ``made(phases)``, ready to send: here at once."""
         return [made(self.take(duration))]
@@ -300,6 +304,12 @@ class DeviceStepClock(StepClock):
             self._end("wait")
 
     # -- steps -----------------------------------------------------------------------------
+    def forget(self) -> None:
+        super().forget()
+        if not self._open:  # marks an open phase began with stay
+            self._free.extend(self._marks)
+            self._marks, self._spans = [], []
+
     def close(self, made: Callable[[dict], Any], duration: float) -> list:
         host = self.take(duration)
         still_open = list(self._open)

@@ -1,0 +1,136 @@
+"""Evaluating inside the training function: a pass over ``ctx.dataloader`` begun after
+``model.eval()`` is no training step (steps, their times and communication are the
+training loop's alone), and ``loader.gather`` puts the ranks' per-sample results
+together, each sample once, in the dataset's order, as one process computes them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nbtrain
+from nbtrain.telemetry.timing import StepClock
+
+N_VAL = 101  # odd: DistributedSampler repeats a sample so that both ranks get 51
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    train_set = torch.utils.data.TensorDataset(torch.randn(256, 16, generator=g),
+                                               torch.randint(0, 4, (256,), generator=g))
+    x = torch.randn(N_VAL, 16, generator=g)
+    x[:, 0] = torch.arange(N_VAL)  # each sample says which it is
+    return train_set, torch.utils.data.TensorDataset(x, torch.randint(0, 4, (N_VAL,),
+                                                                      generator=g))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def train_and_evaluate(ctx, epochs=2, shuffle_val=True):
+    train_set, val_set = _data()
+    model = _model()
+    model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = ctx.dataloader(train_set, batch_size=16, shuffle=True)
+    val = ctx.dataloader(val_set, batch_size=16, shuffle=shuffle_val)
+    seen = []
+    for _ in loader.epochs(epochs):
+        model.train()
+        for x, y in loader:
+            ctx.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        model.eval()
+        losses, ids = [], []
+        with torch.no_grad():
+            for x, y in val:
+                losses.append(F.cross_entropy(model(x), y, reduction="none"))
+                ids.append(x[:, 0])
+        val_loss = val.gather(losses)
+        ctx.log(val_loss=val_loss.mean())
+        seen.append(ctx.step)
+    return {"steps": seen, "ids": val.gather(ids), "losses": val_loss,
+            "state": ctx.full_state_dict(model)}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_an_evaluation_is_no_step_and_gather_gives_what_one_process_computes(strategy):
+    run = nbtrain.launch(train_and_evaluate, devices=2, strategy=strategy, dashboard=False)
+    per_epoch = 256 // 2 // 16
+    first, second = run.results
+    # ctx.step counts training batches only, on every rank
+    assert first["steps"] == second["steps"] == [per_epoch - 1, 2 * per_epoch - 1]
+    for rank in (0, 1):
+        steps = run.history.events("step", rank=rank)
+        assert [s.step for s in steps] == list(range(2 * per_epoch))
+        assert {s.epoch_steps for s in steps} == {per_epoch}
+        assert {s.samples for s in steps} == {16}
+        for s in steps:  # the evaluation's forwards went to no step
+            assert sum(s.phases.values()) <= s.duration + len(s.phases) * 0.5e-6
+    if strategy == "ddp":  # one bucket's all-reduce a step: none from the evaluation
+        assert {tuple(c.counts.items()) for c in run.history.events("comm")} == {
+            (("all_reduce", 1),)}
+    # every sample once, in the dataset's order, on every rank
+    for result in run.results:
+        assert torch.equal(result["ids"], torch.arange(N_VAL, dtype=torch.float32))
+    model = _model()
+    model.load_state_dict(first["state"])
+    x, y = _data()[1].tensors
+    with torch.no_grad():
+        expected = F.cross_entropy(model(x), y, reduction="none")
+    torch.testing.assert_close(first["losses"], expected)
+    torch.testing.assert_close(second["losses"], expected)
+    logged = run.history.metric("val_loss", rank=1)
+    assert logged[-1] == (2 * per_epoch - 1, pytest.approx(expected.mean().item(), rel=1e-6))
+
+
+def gather_misuse(ctx, what):
+    model = _model()
+    model = ctx.setup(model)
+    val = ctx.dataloader(_data()[1], batch_size=16, drop_last=what == "drop_last")
+    model.eval()
+    values = [x[:, 0] for x, _ in val]
+    if what == "one batch":
+        values = values[0]
+    elif what == "dtype on rank 1" and ctx.rank == 1:
+        values = [v.double() for v in values]
+    elif what == "a number":
+        values = 1.0
+    return val.gather(values)
+
+
+@pytest.mark.parametrize("what, error, match", [
+    ("one batch", ValueError, r"loader.gather takes one row per sample of this "
+                              r"rank's pass over the loader, 51; got 16"),
+    ("drop_last", ValueError, r"drops the last ones \(drop_last=True\)"),
+    ("dtype on rank 1", ValueError, r"differ in shape or dtype \(rank 0: \(51,\) torch.float32, "
+                                    r"rank 1: \(51,\) torch.float64\)"),
+    ("a number", TypeError, r"takes a tensor with one row per sample .* got float"),
+])
+def test_gather_misuse_fails_with_a_remedy(what, error, match):
+    with pytest.raises(nbtrain.WorkerError, match=match) as failed:
+        nbtrain.launch(gather_misuse, devices=2, dashboard=False, what=what)
+    assert failed.value.exc_type == error.__name__
+
+
+def test_time_between_two_steps_goes_to_neither():
+    """An evaluation's forwards and the waits in it, timed while no step is open, are
+    forgotten when the next step begins."""
+    clock = StepClock()
+    model = nn.Linear(8, 8)
+    clock.watch(model, [])
+    try:
+        with torch.no_grad():
+            for _ in range(50):
+                model(torch.randn(256, 8))
+        clock.data(0.5)
+        clock.forget()
+        phases = clock.take(0.01)
+    finally:
+        clock.uninstall()
+    assert phases["forward"] == phases["data"] == phases["comm"] == 0
+    assert phases["other"] == pytest.approx(0.01)
