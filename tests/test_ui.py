@@ -15,7 +15,7 @@ import nbtrain
 from nbtrain.telemetry.events import Comm, Lifecycle, Memory, Metric, Step
 from nbtrain.ui import compare, frontend
 from nbtrain.ui.dashboard import Dashboard
-from nbtrain.ui.figures import build_figure, trace_specs
+from nbtrain.ui.figures import build_figure, trace_json, trace_specs
 from nbtrain.ui.series import Series, Throttle, downsample
 from nbtrain.ui.state import LiveState
 from nbtrain.ui.static import PLOTLY_MIME, StaticView, TextView, figure_bundle
@@ -228,6 +228,29 @@ def test_legend_order_stays_put_while_traces_arrive():
     state = LiveState(2)
     state.update(events)
     assert legend_order(build_figure(state)) == later  # the static figure: the same
+
+
+def test_a_metric_logged_now_and_then_is_marked_and_one_logged_every_step_is_a_line():
+    """A validation loss logged once an epoch: its first point shows at once (a line of
+    one point draws nothing) and its few points read as points, not as a trend."""
+    state = LiveState(1)
+    state.update([Metric(0, step, 0.0, {"loss": 1.0}) for step in range(8)]
+                 + [Metric(0, 7, 0.0, {"val_loss": 0.9})])
+
+    def modes() -> dict[str, str]:
+        return {name: trace_json(spec).get("mode") for name, spec in
+                ((s.key.split(":")[1], s) for s in trace_specs(state) if s.key.startswith("metric:"))}
+
+    assert modes() == {"loss": "lines", "val_loss": "lines+markers"}
+    state.update([Metric(0, step, 0.0, {"loss": 1.0}) for step in range(8, 16)]
+                 + [Metric(0, 15, 0.0, {"val_loss": 0.8})])
+    assert modes() == {"loss": "lines", "val_loss": "lines+markers"}
+    state.update([Metric(0, 16 + k, 0.0, {"val_loss": 0.7}) for k in range(200)])
+    assert modes()["val_loss"] == "lines"  # many points: a line like any other
+    first = LiveState(1)
+    first.update([Metric(0, 0, 0.0, {"loss": 1.0})])
+    assert {trace_json(s).get("mode") for s in trace_specs(first)
+            if s.key == "metric:loss:0"} == {"lines+markers"}  # the first point shows
 
 
 def test_warmup_step_is_marked_and_does_not_set_the_axis():

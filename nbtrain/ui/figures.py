@@ -46,6 +46,7 @@ from .palette import (
     collective_style,
     rank_color,
 )
+from .series import Series
 from .state import LiveState
 
 PANELS = {  # key -> (title, x label, y label, y non-negative), in layout order
@@ -100,6 +101,12 @@ def _legend_entry(key: str, panel: str, name: str, rank: int, group: str, marker
                      {"x": [None], "y": [None]}, 0)
 
 
+def _sparse(series: Series, x: list[float]) -> bool:
+    """A metric logged now and then (a validation loss once an epoch): its points are
+    marked, else one point would not show at all, and a few would read as a trend."""
+    return series.count < 2 or (series.count <= 100 and x[-1] - x[0] >= 2 * (series.count - 1))
+
+
 def trace_specs(state: LiveState) -> list[TraceSpec]:
     """Every trace of the dashboard's figure, in a stable order (new ones at the end of
     their group). Call with ``state.lock`` held or on a state no one updates."""
@@ -124,6 +131,8 @@ def trace_specs(state: LiveState) -> list[TraceSpec]:
                 f"metric:{name}:{rank}", "metrics", "line",
                 {"name": f"{name} r{rank}", "legendgroup": f"rank {rank}", "showlegend": False,
                  "line": {"color": rank_color(rank), "dash": DASHES[i % len(DASHES)]},
+                 **({"mode": "lines+markers", "marker": {"size": 6}} if _sparse(series, x)
+                    else {}),
                  "hovertemplate": f"rank {rank} {name}: %{{y:.4g}} at step %{{x}}<extra></extra>"},
                 {"x": x, "y": y}, series.version))
     for panel, table, unit in (("step_time", state.step_ms, "ms"),
