@@ -322,6 +322,29 @@ def test_a_cuda_ranks_phases_come_from_its_events_read_once_complete():
     assert device.synced > 0
 
 
+def test_what_a_cuda_rank_ran_between_two_steps_goes_to_neither():
+    """An evaluation's forwards, marked on the device while no step was open, are
+    forgotten (their events reused) when the next step begins."""
+    from nbtrain.telemetry.timing import DeviceStepClock
+
+    device, engine = FakeDevice(), FakeEngine()
+    clock = DeviceStepClock(event=device.event, stream=device.stream)
+    clock._engine = engine
+    model = nn.Linear(4, 4)
+    with torch.no_grad():
+        for _ in range(3):  # 7 ms a forward, no backward
+            clock._forward_start(model, (torch.ones(2, 4),))
+            device.now += 7
+            clock._forward_end(model, (torch.ones(2, 4),), torch.ones(2, 4))
+    clock.forget()
+    assert len(clock._free) == 6  # two marks a forward, to record again
+    _device_step(clock, device, model, engine)
+    device.done = device.now
+    (step,) = clock.close(_made(rank=0, step=0, t=1.0, duration=0.05), 0.05)
+    assert step.phases["forward"] == pytest.approx(0.003)  # this step's forward alone
+    assert step.phases["other"] == pytest.approx(0.05 - 0.022)
+
+
 def test_a_device_far_behind_gets_host_times_rather_than_a_sync():
     from nbtrain.telemetry import timing
 
