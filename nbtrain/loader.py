@@ -37,15 +37,15 @@ class DeviceLoader:
     ends. ``on_fetch``, when set, is called before each batch is fetched: the boundary
     between two steps, where ``ctx.checkpoint_every`` saves. A pass that begins while
     ``training()`` is False (every model ``ctx.setup`` returned is in eval mode) is an
-    evaluation: ``on_evaluation()`` closes the step in progress and its batches are no
-    steps."""
+    evaluation: its batches are no steps, and ``on_evaluation(done, batches)`` is told
+    as it begins and after each batch."""
 
     def __init__(self, loader: DataLoader, sampler: ResumableSampler, device: torch.device,
                  on_batch: Callable[[int, int, int], None],
                  on_data_time: Callable[[float], None] | None,
                  on_epoch_end: Callable[[], None],
                  training: Callable[[], bool] = lambda: True,
-                 on_evaluation: Callable[[], None] = lambda: None):
+                 on_evaluation: Callable[[int, int], None] | None = None):
         self.loader = loader
         self.sampler = sampler
         self.epoch = 0
@@ -54,7 +54,8 @@ class DeviceLoader:
         self.device = device
         self._on_batch, self._on_data_time = on_batch, on_data_time
         self._on_epoch_end = on_epoch_end
-        self._training, self._on_evaluation = training, on_evaluation
+        self._training = training
+        self._on_evaluation = on_evaluation or (lambda done, batches: None)
         self.on_fetch: Callable[[DeviceLoader], None] | None = None
         self._resume: tuple[int, int] | None = None
         self._done_epochs = 0  # epochs a resumed loader hands out empty
@@ -106,9 +107,11 @@ class DeviceLoader:
         device = self.device
         non_blocking = device.type == "cuda"
         if not self._training():  # an evaluation: no steps, no checkpoints, not timed
-            self._on_evaluation()
-            for batch in self.loader:
+            batches = len(self.loader)
+            self._on_evaluation(0, batches)
+            for done, batch in enumerate(self.loader, 1):
                 yield _to_device(batch, device, non_blocking)
+                self._on_evaluation(done, batches)
             self.epoch += 1
             return
         steps = len(self.loader)

@@ -5,13 +5,19 @@ together, each sample once, in the dataset's order, as one process computes them
 
 from __future__ import annotations
 
+import itertools
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import nbtrain
+from nbtrain.telemetry.events import Evaluation, Step, decode, encode
 from nbtrain.telemetry.timing import StepClock
+from nbtrain.ui.header import progress_parts
+from nbtrain.ui.state import LiveState
 
 N_VAL = 101  # odd: DistributedSampler repeats a sample so that both ranks get 51
 
@@ -86,6 +92,12 @@ def test_an_evaluation_is_no_step_and_gather_gives_what_one_process_computes(str
     torch.testing.assert_close(second["losses"], expected)
     logged = run.history.metric("val_loss", rank=1)
     assert logged[-1] == (2 * per_epoch - 1, pytest.approx(expected.mean().item(), rel=1e-6))
+    # each pass said when it began and ended (4 batches of 16 of the 51 samples a rank)
+    for rank in (0, 1):
+        passes = [(e.step, e.done, e.batches) for e in run.history.events("evaluation", rank)]
+        assert passes == [(per_epoch - 1, 0, 4), (per_epoch - 1, 4, 4),
+                          (2 * per_epoch - 1, 0, 4), (2 * per_epoch - 1, 4, 4)]
+    assert "evaluation: 2 passes on rank 0, " in str(run.summary())
 
 
 def gather_misuse(ctx, what):
@@ -134,3 +146,37 @@ def test_time_between_two_steps_goes_to_neither():
         clock.uninstall()
     assert phases["forward"] == phases["data"] == phases["comm"] == 0
     assert phases["other"] == pytest.approx(0.01)
+
+
+def slow_evaluation(ctx, seconds_a_batch=0.3, batches=6):
+    model = ctx.setup(_model())
+    val = ctx.dataloader(_data()[1], batch_size=-(-N_VAL // 2 // batches))
+    model.eval()
+    for _ in val:
+        time.sleep(seconds_a_batch)
+    return len(val)
+
+
+def test_a_long_evaluation_shows_its_progress_about_once_a_second():
+    run = nbtrain.launch(slow_evaluation, devices=2, dashboard=False)
+    assert run.results == [6, 6]
+    for rank in (0, 1):
+        sent = run.history.events("evaluation", rank)
+        assert [e.done for e in sent][0] == 0 and [e.done for e in sent][-1] == 6
+        between = sent[1:-1]  # 1.8 s of batches or more: at least one in between
+        assert between, [(e.done, e.t - sent[0].t) for e in sent]
+        assert all(0 < e.done < 6 for e in between)
+        assert all(b.t - a.t >= 0.99 for a, b in itertools.pairwise(sent[:-1]))  # a second apart
+
+
+def test_the_header_says_a_rank_is_evaluating_until_it_trains_or_ends():
+    event = Evaluation(rank=0, step=7, t=1.0, done=3, batches=10)
+    assert decode(encode(event)) == event
+    state = LiveState(2)
+    state.update([Evaluation(0, 7, 1.0, 0, 10), Evaluation(1, 7, 1.0, 0, 10), event])
+    assert "evaluating 3/10" in progress_parts(state)
+    assert "evaluating 3/10" in state.progress_line()
+    state.update([Evaluation(0, 7, 2.0, 10, 10)])  # rank 0 done, rank 1 still at it
+    assert "evaluating 0/10" in progress_parts(state)
+    state.update([Step(1, 8, 3.0, duration=0.1, samples=16)])  # rank 1 trains again
+    assert not any(p.startswith("evaluating") for p in progress_parts(state))

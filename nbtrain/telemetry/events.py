@@ -107,9 +107,20 @@ class Restart(Event):
     resume: str = ""
 
 
+@dataclass(frozen=True)
+class Evaluation(Event):
+    """An evaluation pass on this rank (a ``ctx.dataloader`` pass begun after
+    ``model.eval()``; ``step``: the training step before it): ``done`` of its ``batches``,
+    sent as it begins, about once a second while it runs, and as it ends."""
+
+    kind: ClassVar[str] = "evaluation"
+    done: int = 0
+    batches: int = 0
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (Metric, Step, Memory, Comm, Lifecycle, Output, Checkpoint,
-                              Restart)}
+                              Restart, Evaluation)}
 
 
 _JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=True)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .client import TelemetryClient
-from .events import Checkpoint, Comm, Memory, Metric, Step
+from .events import Checkpoint, Comm, Evaluation, Memory, Metric, Step
 from .probes import (
     ActivationProbe,
     CommCounter,
@@ -26,6 +26,7 @@ from .settings import Telemetry
 from .timing import DeviceStepClock, StepClock
 
 METRIC_BATCH = 16  # ctx.log calls whose accelerator tensors are read back together
+EVALUATION_EVERY_S = 1.0  # an evaluation's progress goes out at most this often
 
 
 class Recorder:
@@ -55,6 +56,7 @@ class Recorder:
         self._ddp = None  # the strategy's collective probe (DDP's buckets), if any
         self._opt_steps = 0
         self._opt_end = 0.0  # when the last optimizer step finished
+        self._evaluation_sent = 0.0
         self._batches_seen = False
         self._watched_at = time.monotonic()
         self._paused = False
@@ -148,6 +150,19 @@ class Recorder:
             self.client.send(Checkpoint(rank=self.rank, step=step, t=time.monotonic(),
                                         path=path))
         self.client.flush()
+
+    def on_evaluation(self, done: int, batches: int) -> None:
+        """An evaluation pass has ``done`` of its ``batches``: as it begins (``done`` 0)
+        the step in progress closes (what the pass runs is in no step), and its progress
+        goes out at its start, its end and at most every ``EVALUATION_EVERY_S`` between."""
+        now = time.monotonic()
+        if done == 0:
+            self.on_epoch_end()
+        elif done < batches and now - self._evaluation_sent < EVALUATION_EVERY_S:
+            return
+        self._evaluation_sent = now
+        self.client.send(Evaluation(rank=self.rank, step=max(self._step, 0), t=now,
+                                    done=done, batches=batches))
 
     def on_epoch_end(self) -> None:
         self._close_step(time.monotonic())

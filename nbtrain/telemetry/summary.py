@@ -51,6 +51,7 @@ class Summary:
     # with a bandwidth measurement: how much of the communication wait the link explains
     link: str | None = None
     restarts: list[str] = field(default_factory=list)  # launch(max_restarts=...)'s attempts
+    evaluation: str | None = None  # the evaluation passes' time beside the training's
 
     @property
     def step_time(self) -> float | None:
@@ -142,6 +143,8 @@ class Summary:
             lines.append(self.time_line())
         if self.link:
             lines.append(self.link)
+        if self.evaluation:
+            lines.append(self.evaluation)
         lines += self._restart_lines()
         if self.advice:
             lines.append(self.advice)
@@ -161,7 +164,7 @@ class Summary:
             + "</tr>" for name, cells in rows)
         notes = [f"total throughput: {self.samples_per_s:.0f} samples/s"
                  if len(self.ranks) > 1 and self.samples_per_s else "", self.time_line() or "",
-                 self.link or "", *self._restart_lines()]
+                 self.link or "", self.evaluation or "", *self._restart_lines()]
         notes = "<br>".join(html.escape(n) for n in notes if n)
         if self.verdict:
             notes += f"<br><b>{html.escape(self.verdict)}</b>" + "".join(
@@ -190,7 +193,8 @@ def summarize(history: History, world_size: int, strategy=None, accelerator: str
     ``baseline`` (a one-rank run's summary), the verdict on how the ranks scaled; with
     ``bandwidth`` (``nbtrain.bandwidth()``'s sweep), what share of the communication wait
     the link itself explains."""
-    summary = Summary(_ranks(history, world_size), restarts=[str(a) for a in attempts])
+    summary = Summary(_ranks(history, world_size), restarts=[str(a) for a in attempts],
+                      evaluation=evaluation_line(history))
     if bandwidth is not None:
         summary.link = link_line(summary, bandwidth)
     if baseline is not None and baseline.step_time and summary.step_time:
@@ -201,6 +205,28 @@ def summarize(history: History, world_size: int, strategy=None, accelerator: str
                                                 max(data, default=None), summary.scaling,
                                                 fewer)
     return summary
+
+
+def evaluation_line(history: History, rank: int = 0) -> str | None:
+    """How long ``rank``'s evaluation passes took, beside its training steps, or None."""
+    passes, began = [], None
+    for e in history.events("evaluation", rank):
+        if e.done == 0:
+            began = e
+        elif e.done >= e.batches and began is not None:
+            passes.append(e.t - began.t)
+            began = None
+    if not passes:
+        return None
+    spent = sum(passes)
+    training = sum(e.duration for e in history.events("step", rank))
+    share = f", {spent / (spent + training):.0%} of the time" if spent + training > 0 else ""
+    return (f"evaluation: {len(passes)} pass{'es' if len(passes) > 1 else ''} on rank {rank}, "
+            f"{_took(spent)} in all beside {_took(training)} of training steps{share}")
+
+
+def _took(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.1f} s"
 
 
 def link_line(summary: Summary, bandwidth) -> str | None:

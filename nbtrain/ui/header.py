@@ -41,6 +41,7 @@ def progress_parts(state: LiveState, total_steps: int | None = None) -> list[str
         parts.append(f"epoch {epoch + 1} ({max(done_in_epoch, 0)}/{epoch_steps})")
     elif logged_epoch is not None:
         parts.append(f"epoch {logged_epoch:g}")
+    parts += state.evaluation_part()
     parts.append(f"elapsed {_duration(state.elapsed)}")
     # An ETA only for the run's total (ctx.total_steps, or what the dataloader plans):
     # the end of an epoch said little, and a short epoch read "ETA 0s" all along.

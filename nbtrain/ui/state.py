@@ -13,7 +13,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from ..telemetry.events import Comm, Event, Lifecycle, Memory, Metric, Restart, Step
+from ..telemetry.events import Comm, Evaluation, Event, Lifecycle, Memory, Metric, Restart, Step
 from ..wire import first_line
 from .series import Series
 
@@ -41,6 +41,7 @@ class LiveState:
         self.busy: dict[int, float] = {}  # seconds spent in timed steps
         # rank -> where its recent steps' time went (telemetry/timing.py), newest last
         self.phases: dict[int, deque[dict[str, float]]] = {}
+        self.evaluating: dict[int, tuple[int, int]] = {}  # rank -> (done, batches) of a pass
         self.restarts: list[Restart] = []  # launch(max_restarts=...): where each began
         self.memory: dict[int, dict[str, int]] = {}  # latest bytes by category
         self.comm: dict[str, Series] = {}  # op -> bytes per step, first rank that reports
@@ -83,7 +84,13 @@ class LiveState:
                     series = self.metrics[(name, rank)] = Series(self.max_points)
                 series.append(e.step, value)
                 last[name] = value
+        elif isinstance(e, Evaluation):
+            if e.done < e.batches:
+                self.evaluating[rank] = (e.done, e.batches)
+            else:
+                self.evaluating.pop(rank, None)
         elif isinstance(e, Step):
+            self.evaluating.pop(rank, None)
             self.steps[rank] = self.steps.get(rank, 0) + 1
             if rank == 0:
                 self.plan = (e.epoch, e.epoch_steps, e.total_steps)
@@ -111,6 +118,7 @@ class LiveState:
                 self.comm.setdefault(op, Series(self.max_points)).append(
                     e.step, e.bytes.get(op, 0))
         elif isinstance(e, Lifecycle):
+            self.evaluating.pop(rank, None)
             self.status[rank] = _LIFECYCLE.get(e.state, e.state)
             if e.state == "failed" and e.detail:
                 self.errors[rank] = e.detail
@@ -194,13 +202,20 @@ class LiveState:
             return "done"
         return "running" if "running" in states or "done" in states else "starting"
 
+    def evaluation_part(self) -> list[str]:
+        """``["evaluating 12/40"]`` while a rank evaluates (the first such rank's pass)."""
+        if not self.evaluating or self.outcome is not None:
+            return []
+        done, batches = self.evaluating[min(self.evaluating)]
+        return [f"evaluating {done}/{batches}"]
+
     def progress_line(self) -> str:
         """One line: status, steps, throughput, last loss, elapsed — the text fallback."""
         status = self.overall
         steps = max(self.steps.values(), default=0)
         rate = sum(r for k in self.ranks if (r := self.samples_per_s(k)))
         parts = [f"nbtrain {self.info.get('strategy', '')} ×{self.world_size}: {status}",
-                 f"step {steps}"]
+                 f"step {steps}", *self.evaluation_part()]
         if rate:
             parts.append(f"{rate:,.0f} samples/s")
         last = self.last_metrics.get(0) or next(iter(self.last_metrics.values()), {})
