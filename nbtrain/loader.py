@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import copy
 import itertools
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, DistributedSampler
 
 
@@ -60,6 +62,7 @@ class DeviceLoader:
         self._resume: tuple[int, int] | None = None
         self._done_epochs = 0  # epochs a resumed loader hands out empty
         self._counted = False  # a loop over self.epochs(n) began (it skips the done ones)
+        self._warned = False  # that an evaluation's pass trained
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -104,18 +107,13 @@ class DeviceLoader:
         else:
             self.batch = 0
         self.sampler.set_epoch(self.epoch)
-        device = self.device
-        non_blocking = device.type == "cuda"
-        if not self._training():  # an evaluation: no steps, no checkpoints, not timed
-            batches = len(self.loader)
-            self._on_evaluation(0, batches)
-            for done, batch in enumerate(self.loader, 1):
-                yield _to_device(batch, device, non_blocking)
-                self._on_evaluation(done, batches)
+        batches = iter(self.loader)
+        if not self._training() and not (yield from self._evaluate(batches)):
             self.epoch += 1
             return
         steps = len(self.loader)
-        batches = iter(self.loader)
+        device = self.device
+        non_blocking = device.type == "cuda"
         timed = self._on_data_time
         while True:
             if self.on_fetch is not None:
@@ -138,6 +136,34 @@ class DeviceLoader:
         self._on_epoch_end()
         self.epoch += 1
         self.batch = 0
+
+    def _evaluate(self, batches: Iterator[Any]) -> Generator[Any, None, bool]:
+        """An evaluation's pass: no steps, no checkpoints, not timed. Returns True when
+        an optimizer step ran in it after all (a training pass whose ``model.train()``
+        was forgotten after an evaluation): the rest of the pass is training."""
+        total, device = len(self.loader), self.device
+        stepped: list[bool] = []
+        hook = register_optimizer_step_post_hook(lambda *_: stepped.append(True))
+        try:
+            self._on_evaluation(0, total)
+            for done, batch in enumerate(batches, 1):
+                yield _to_device(batch, device, device.type == "cuda")
+                if stepped:
+                    self._on_evaluation(total, total)
+                    self.batch = done
+                    if not self._warned:
+                        self._warned = True
+                        print(f"nbtrain: rank {self.sampler.rank}: an optimizer step ran "
+                              "during a pass over ctx.dataloader begun with every model in "
+                              "eval mode, which nbtrain took for an evaluation; it counts as "
+                              "training from its next batch. Call model.train() before "
+                              "training: in eval mode dropout is off and batch norm does not "
+                              "learn its statistics.", file=sys.stderr, flush=True)
+                    return True
+                self._on_evaluation(done, total)
+        finally:
+            hook.remove()
+        return False
 
     def gather(self, values: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         """Every rank's per-sample ``values`` from its last pass over this loader, put

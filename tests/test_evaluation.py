@@ -180,3 +180,35 @@ def test_the_header_says_a_rank_is_evaluating_until_it_trains_or_ends():
     assert "evaluating 0/10" in progress_parts(state)
     state.update([Step(1, 8, 3.0, duration=0.1, samples=16)])  # rank 1 trains again
     assert not any(p.startswith("evaluating") for p in progress_parts(state))
+
+
+def forgets_train(ctx):
+    train_set, val_set = _data()
+    model = _model()
+    model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = ctx.dataloader(train_set, batch_size=16, shuffle=True)
+    val = ctx.dataloader(val_set, batch_size=16)
+    for _ in loader.epochs(2):
+        for x, y in loader:
+            ctx.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            for x, _ in val:
+                model(x)
+        # model.train() forgotten: the next epoch trains in eval mode
+    return ctx.step
+
+
+def test_a_forgotten_model_train_is_named_and_the_pass_trains_from_its_next_batch(capfd):
+    run = nbtrain.launch(forgets_train, devices=2, dashboard=False)
+    per_epoch = 256 // 2 // 16
+    # the first batch of the second epoch went by as an evaluation's; the rest are steps
+    assert run.results == [2 * per_epoch - 2] * 2
+    assert len(run.history.events("step", rank=0)) == 2 * per_epoch - 1
+    err = capfd.readouterr().err
+    for rank in (0, 1):
+        assert (f"rank {rank}: an optimizer step ran during a pass over ctx.dataloader begun "
+                "with every model in eval mode") in err, err
+    assert "Call model.train() before training" in err
