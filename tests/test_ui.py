@@ -506,6 +506,14 @@ def test_compare_real_runs_beside_theory(runs):
     assert "KB" in fig.layout.yaxis.title.text
     assert "all_reduce" in {t.name for t in fig.data}
     assert "theory/rank" in str(c)
+    # what both runs logged, last values side by side: the same training, sharded or not
+    names = c.metric_names()
+    assert names and set(names) <= set(runs["ddp"].history.metric_names)
+    header, _, *rows = c.table().splitlines()
+    assert header.split()[-len(names):] == names
+    for row, run in zip(rows, (runs["ddp"], runs["fsdp"]), strict=True):
+        last = run.history.metric(names[0], 0)[-1][1]
+        assert row.split()[-len(names)] == f"{last:.4g}"
     with pytest.raises(ValueError, match="at least one"):
         compare(display=False)
 

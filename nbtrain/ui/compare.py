@@ -1,6 +1,6 @@
 """``nbtrain.compare(*runs)``: finished runs side by side — memory per rank by category
-beside the bytes theory predicts, step time, throughput and communication per step —
-with a one-line takeaway a learner can read.
+beside the bytes theory predicts, step time, throughput, communication per step and the
+metrics every run logged (their last values) — with a one-line takeaway a learner can read.
 
 Ψ (the parameter count the theory needs) is ``n_params`` when given; otherwise it is
 derived from the measured parameter bytes: a DDP run's bytes on one rank / 4, or else
@@ -55,6 +55,7 @@ class Row:
     comm_share: float | None = None  # of a step, spent waiting on communication
     fn: str = ""  # the function's name: runs of the same one are compared for scaling
     accelerator: str = "cpu"
+    metrics: dict[str, float] = field(default_factory=dict)  # rank 0's last ctx.log values
 
     @property
     def model_bytes(self) -> int:
@@ -181,7 +182,8 @@ class Comparison:
                             summary.samples_per_s or None, comm, status=run.status,
                             chosen=run.strategy, comm_share=summary.comm_share,
                             fn=getattr(run, "fn_name", ""),
-                            accelerator=getattr(run, "accelerator", "cpu")))
+                            accelerator=getattr(run, "accelerator", "cpu"),
+                            metrics=dict(summary.ranks[0].metrics) if summary.ranks else {}))
         return rows
 
     def _derive_n_params(self) -> int | None:
@@ -199,10 +201,17 @@ class Comparison:
     def takeaway(self) -> str:
         return takeaway(self.rows)
 
+    def metric_names(self) -> list[str]:
+        """What every run logged (its last value on rank 0 goes beside the figures: the
+        same loss under every strategy says the sharding changed nothing), at most 3."""
+        first = self.rows[0].metrics if self.rows else {}
+        return [n for n in first if all(n in r.metrics for r in self.rows)][:3]
+
     def table(self) -> str:
         host = any(r.host_bytes for r in self.rows)
+        names = self.metric_names()
         header = ["strategy", "ranks", "model state/rank", *(["in host memory"] if host else []),
-                  "theory/rank", "step ms", "samples/s", "comm/step", "comm wait"]
+                  "theory/rank", "step ms", "samples/s", "comm/step", "comm wait", *names]
         lines = [header]
         for r in self.rows:
             theory = sum(r.theory.values()) if r.theory else None
@@ -212,7 +221,8 @@ class Comparison:
                           f"{r.step_time * 1000:.1f}" if r.step_time else "-",
                           f"{r.samples_per_s:,.0f}" if r.samples_per_s else "-",
                           format_bytes(sum(r.comm.values())) if r.comm else "-",
-                          f"{r.comm_share:.0%}" if r.comm_share is not None else "-"])
+                          f"{r.comm_share:.0%}" if r.comm_share is not None else "-",
+                          *(f"{r.metrics[n]:.4g}" for n in names)])
         widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
         out = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in lines]
         out.insert(1, "  ".join("-" * w for w in widths))
