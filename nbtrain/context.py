@@ -58,7 +58,7 @@ class Context:
         self._scaler = None
         self._skipped = 0  # fp16 steps the loss scaler skipped
         self._model: nn.Module | None = None  # the model ctx.setup returned last
-        self._models: list[nn.Module] = []  # all of them (all in eval mode: evaluating)
+        self._models: list[nn.Module] = []  # all of them (the loaders tell evaluations by them)
         self._optimizers: list[torch.optim.Optimizer] = []  # and its optimizers
         self._batches = 0  # the index the next batch from ctx.dataloader gets
         self._batch_seen = False
@@ -331,7 +331,7 @@ class Context:
         made = DeviceLoader(
             loader, sampler, self.device, on_batch=self._on_batch,
             on_data_time=self._data_clock(), on_epoch_end=self._on_epoch_end,
-            training=lambda: not self._models or any(m.training for m in self._models),
+            models=self._models,
             on_evaluation=self._recorder.on_evaluation if self._recorder else None)
         self._loaders.append(made)
         if self._checkpoints is not None and self._checkpoints.loader is None:

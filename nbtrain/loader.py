@@ -17,8 +17,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, DistributedSampler
+
+from .strategies.norms import sync_statistics
 
 
 class ResumableSampler(DistributedSampler):
@@ -38,15 +41,16 @@ class DeviceLoader:
     took to load and move (``on_data_time(seconds)``; None: not timed) and when an epoch
     ends. ``on_fetch``, when set, is called before each batch is fetched: the boundary
     between two steps, where ``ctx.checkpoint_every`` saves. A pass that begins while
-    ``training()`` is False (every model ``ctx.setup`` returned is in eval mode) is an
-    evaluation: its batches are no steps, and ``on_evaluation(done, batches)`` is told
-    as it begins and after each batch."""
+    every one of ``models`` (those ``ctx.setup`` returned) is in eval mode is an
+    evaluation: its batches are no steps, every rank takes rank 0's running statistics
+    (batch norm's: under FSDP each rank updated its own in the last forward), and
+    ``on_evaluation(done, batches)`` is told as it begins and after each batch."""
 
     def __init__(self, loader: DataLoader, sampler: ResumableSampler, device: torch.device,
                  on_batch: Callable[[int, int, int], None],
                  on_data_time: Callable[[float], None] | None,
                  on_epoch_end: Callable[[], None],
-                 training: Callable[[], bool] = lambda: True,
+                 models: list[nn.Module] | None = None,
                  on_evaluation: Callable[[int, int], None] | None = None):
         self.loader = loader
         self.sampler = sampler
@@ -56,7 +60,7 @@ class DeviceLoader:
         self.device = device
         self._on_batch, self._on_data_time = on_batch, on_data_time
         self._on_epoch_end = on_epoch_end
-        self._training = training
+        self._models = models if models is not None else []
         self._on_evaluation = on_evaluation or (lambda done, batches: None)
         self.on_fetch: Callable[[DeviceLoader], None] | None = None
         self._resume: tuple[int, int] | None = None
@@ -108,7 +112,8 @@ class DeviceLoader:
             self.batch = 0
         self.sampler.set_epoch(self.epoch)
         batches = iter(self.loader)
-        if not self._training() and not (yield from self._evaluate(batches)):
+        evaluating = self._models and not any(m.training for m in self._models)
+        if evaluating and not (yield from self._evaluate(batches)):
             self.epoch += 1
             return
         steps = len(self.loader)
@@ -145,6 +150,8 @@ class DeviceLoader:
         stepped: list[bool] = []
         hook = register_optimizer_step_post_hook(lambda *_: stepped.append(True))
         try:
+            for model in self._models:  # one model on every rank: rank 0's statistics
+                sync_statistics(model)
             self._on_evaluation(0, total)
             for done, batch in enumerate(batches, 1):
                 yield _to_device(batch, device, device.type == "cuda")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 
+import models
 import pytest
 import torch
 import torch.nn.functional as F
@@ -212,3 +213,57 @@ def test_a_forgotten_model_train_is_named_and_the_pass_trains_from_its_next_batc
         assert (f"rank {rank}: an optimizer step ran during a pass over ctx.dataloader begun "
                 "with every model in eval mode") in err, err
     assert "Call model.train() before training" in err
+
+
+def _val_set(kind: str):
+    g = torch.Generator().manual_seed(7)
+    if kind == "gpt2":
+        return torch.utils.data.TensorDataset(torch.randint(1, models.VOCAB, (11, models.SEQ),
+                                                            generator=g))
+    return torch.utils.data.TensorDataset(torch.randn(11, 3, 16, 16, generator=g),
+                                          torch.randint(0, 10, (11,), generator=g))
+
+
+def _per_sample(kind: str, model: nn.Module, b) -> torch.Tensor:
+    if kind == "gpt2":
+        (ids,) = b
+        logits = model(input_ids=ids).logits[:, :-1]
+        return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(),
+                               reduction="none").view(len(ids), -1).mean(1)
+    x, y = b
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def evaluate_a_model(ctx, kind):
+    torch.manual_seed(0)
+    model = models.make(kind)
+    model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    for step in range(2):  # train a little: weights and batch norm's statistics move
+        ctx.backward(models.loss_of(kind, model, {k: v.to(ctx.device) for k, v in
+                                                  models.batch(kind, step, ctx.rank).items()}))
+        opt.step()
+        opt.zero_grad()
+    val = ctx.dataloader(_val_set(kind), batch_size=2)  # 11 samples: 6 a rank, one repeated
+    model.eval()
+    with torch.no_grad():
+        losses = val.gather([_per_sample(kind, model, b) for b in val])
+    return losses, ctx.full_state_dict(model)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind", ["gpt2", "cnn"])  # tied embeddings; batch norm's statistics
+def test_a_real_model_evaluates_as_in_one_process(kind, strategy):
+    """The model that evaluates is one model on every rank, the one full_state_dict
+    gives: under FSDP each rank's batch norm had updated its own statistics in the last
+    training forward, and evaluating with them gave rank 1's samples losses up to 1e-3
+    apart (DDP syncs them at every forward)."""
+    run = nbtrain.launch(evaluate_a_model, devices=2, strategy=strategy, dashboard=False,
+                         kind=kind)
+    (losses, state), (other, _) = run.results
+    model = models.make(kind)
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        expected = _per_sample(kind, model, _val_set(kind).tensors)
+    torch.testing.assert_close(losses, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(other, losses)
