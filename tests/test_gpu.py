@@ -15,6 +15,7 @@ import pytest
 import torch
 from kernel import Kernel
 from models import fit, reference
+from test_evaluation import N_VAL, train_and_evaluate
 from workloads import cpu_and_gpu_collectives, every_train, param_count, single_in_worker, train
 
 import nbtrain
@@ -113,6 +114,27 @@ def test_a_gpu_steps_phases_are_the_devices_time_not_the_hosts():
         work = e.phases["forward"] + e.phases["backward"] + e.phases["optimizer"]
         assert work > 0.5 * e.duration and e.phases["backward"] > e.phases["forward"], e
         assert sum(e.phases.values()) <= e.duration * 1.01, e
+
+
+def _evaluate_on_cuda(ctx):
+    """test_evaluation's training with its evaluations, brought back on the CPU (a CUDA
+    tensor read in this process would end its fork)."""
+    out = train_and_evaluate(ctx)
+    return {"steps": out["steps"], "ids": out["ids"].cpu(), "losses": out["losses"].cpu(),
+            "device": out["ids"].device.type, "state": out["state"]}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_an_evaluation_on_cuda_is_no_step_and_gathers_each_sample_once(strategy):
+    n = _ranks()
+    run = nbtrain.launch(_evaluate_on_cuda, devices=n, accelerator="cuda", strategy=strategy,
+                         dashboard=False)
+    per_epoch = 256 // n // 16
+    assert [len(run.history.events("step", r)) for r in range(n)] == [2 * per_epoch] * n
+    for result in run.results:
+        assert result["device"] == "cuda" and result["steps"] == [per_epoch - 1, 2 * per_epoch - 1]
+        assert torch.equal(result["ids"], torch.arange(N_VAL, dtype=torch.float32))
+    assert "evaluation: 2 passes on rank 0" in str(run.summary())
 
 
 @two_gpus
