@@ -160,7 +160,7 @@ class DeviceLoader:
                     self.batch = done
                     if not self._warned:
                         self._warned = True
-                        print(f"nbtrain: rank {self.sampler.rank}: an optimizer step ran "
+                        print("nbtrain: an optimizer step ran "
                               "during a pass over ctx.dataloader begun with every model in "
                               "eval mode, which nbtrain took for an evaluation; it counts as "
                               "training from its next batch. Call model.train() before "

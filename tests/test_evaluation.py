@@ -210,8 +210,8 @@ def test_a_forgotten_model_train_is_named_and_the_pass_trains_from_its_next_batc
     assert len(run.history.events("step", rank=0)) == 2 * per_epoch - 1
     err = capfd.readouterr().err
     for rank in (0, 1):
-        assert (f"rank {rank}: an optimizer step ran during a pass over ctx.dataloader begun "
-                "with every model in eval mode") in err, err
+        assert (f"[rank {rank}] nbtrain: an optimizer step ran during a pass over "
+                "ctx.dataloader begun with every model in eval mode") in err, err
     assert "Call model.train() before training" in err
 
 
