@@ -44,7 +44,8 @@ class DeviceLoader:
     every one of ``models`` (those ``ctx.setup`` returned) is in eval mode is an
     evaluation: its batches are no steps, every rank takes rank 0's running statistics
     (batch norm's: under FSDP each rank updated its own in the last forward), and
-    ``on_evaluation(done, batches)`` is told as it begins and after each batch."""
+    ``on_evaluation(done, batches)`` is told as it begins, after each batch and as it
+    ends (``done == batches``, also when the loop broke off)."""
 
     def __init__(self, loader: DataLoader, sampler: ResumableSampler, device: torch.device,
                  on_batch: Callable[[int, int, int], None],
@@ -156,7 +157,6 @@ class DeviceLoader:
             for done, batch in enumerate(batches, 1):
                 yield _to_device(batch, device, device.type == "cuda")
                 if stepped:
-                    self._on_evaluation(total, total)
                     self.batch = done
                     if not self._warned:
                         self._warned = True
@@ -167,9 +167,11 @@ class DeviceLoader:
                               "training: in eval mode dropout is off and batch norm does not "
                               "learn its statistics.", file=sys.stderr, flush=True)
                     return True
-                self._on_evaluation(done, total)
-        finally:
+                if done < total:
+                    self._on_evaluation(done, total)
+        finally:  # also when the loop over the pass broke off
             hook.remove()
+            self._on_evaluation(total, total)
         return False
 
     def gather(self, values: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:

@@ -267,3 +267,44 @@ def test_a_real_model_evaluates_as_in_one_process(kind, strategy):
         expected = _per_sample(kind, model, _val_set(kind).tensors)
     torch.testing.assert_close(losses, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(other, losses)
+
+
+def evaluates_at_the_top_of_the_loop(ctx, every=3, seconds=1.0):
+    """The common pattern: ``if step % every == 0: evaluate()`` before the batch's own
+    training, a pass that takes ``seconds``."""
+    train_set, val_set = _data()
+    model = _model()
+    model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = ctx.dataloader(train_set, batch_size=16)
+    val = ctx.dataloader(val_set, batch_size=64)
+    for i, (x, y) in enumerate(loader):
+        if i % every == 1:
+            model.eval()
+            with torch.no_grad():
+                for vx, _ in val:
+                    model(vx)
+                    time.sleep(seconds / len(val))
+            model.train()
+        ctx.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_an_evaluation_inside_a_step_pauses_it(strategy):
+    """The step an evaluation interrupts keeps its own work (its forward, backward and
+    optimizer step) and not the evaluation's second, nor its forwards or collectives."""
+    run = nbtrain.launch(evaluates_at_the_top_of_the_loop, devices=2, strategy=strategy,
+                         dashboard=False)
+    for rank in (0, 1):
+        steps = run.history.events("step", rank)
+        assert [s.step for s in steps] == list(range(8))
+        paused = [s for s in steps if s.step % 3 == 1]
+        assert all(s.duration < 1.0 for s in steps), [(s.step, s.duration) for s in steps]
+        for s in paused:
+            assert s.phases["forward"] > 0 and s.phases["backward"] > 0, s
+            assert sum(s.phases.values()) <= s.duration + len(s.phases) * 0.5e-6, s
+        if strategy == "ddp":  # the step's own all-reduce, none of the evaluation's
+            assert {tuple(c.counts.items()) for c in run.history.events("comm", rank)} == {
+                (("all_reduce", 1),)}
+        assert len(run.history.events("evaluation", rank)) == 3 * 2  # begun, ended: 3 times

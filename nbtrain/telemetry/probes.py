@@ -210,3 +210,9 @@ class CommCounter:
         self.counts.clear()
         self.bytes.clear()
         return counts, sizes
+
+    def restore(self, taken: tuple[dict[str, int], dict[str, int]]) -> None:
+        """The tally as ``take()`` gave it, what was counted since dropped."""
+        for mine, kept in zip((self.counts, self.bytes), taken, strict=True):
+            mine.clear()
+            mine.update(kept)

@@ -57,6 +57,8 @@ class Recorder:
         self._opt_steps = 0
         self._opt_end = 0.0  # when the last optimizer step finished
         self._evaluation_sent = 0.0
+        self._paused_at: float | None = None  # an evaluation pass began (on_evaluation)
+        self._stash: Any = None  # what the paused step had timed and counted by then
         self._batches_seen = False
         self._watched_at = time.monotonic()
         self._paused = False
@@ -152,17 +154,41 @@ class Recorder:
         self.client.flush()
 
     def on_evaluation(self, done: int, batches: int) -> None:
-        """An evaluation pass has ``done`` of its ``batches``: as it begins (``done`` 0)
-        the step in progress closes (what the pass runs is in no step), and its progress
-        goes out at its start, its end and at most every ``EVALUATION_EVERY_S`` between."""
+        """An evaluation pass has ``done`` of its ``batches`` (``batches``: it ended). It
+        pauses the step in progress: that step goes on after it as if it had not been
+        (its start moves later by the pass's length, and what the pass ran is dropped).
+        Its progress goes out as it begins and ends, and at most every
+        ``EVALUATION_EVERY_S`` between."""
         now = time.monotonic()
         if done == 0:
-            self.on_epoch_end()
-        elif done < batches and now - self._evaluation_sent < EVALUATION_EVERY_S:
+            self._pause(now)
+        elif done >= batches:
+            self._resume(now)
+        elif now - self._evaluation_sent < EVALUATION_EVERY_S:
             return
         self._evaluation_sent = now
         self.client.send(Evaluation(rank=self.rank, step=max(self._step, 0), t=now,
                                     done=done, batches=batches))
+
+    def _pause(self, now: float) -> None:
+        if self._paused_at is None:
+            self._paused_at = now
+            self._stash = (self.clock.stash() if self.clock is not None else None,
+                           self.comm.take() if self.comm else None)
+
+    def _resume(self, now: float) -> None:
+        if self._paused_at is None:
+            return
+        clock, comm = self._stash
+        if self.clock is not None:
+            self.clock.restore(clock)
+        if self.comm:
+            self.comm.restore(comm)
+        if self._last is not None:
+            self._last += now - self._paused_at
+        elif not self._batches_seen:  # before the first optimizer step: step 0 starts later
+            self._watched_at += now - self._paused_at
+        self._paused_at = self._stash = None
 
     def on_epoch_end(self) -> None:
         self._close_step(time.monotonic())

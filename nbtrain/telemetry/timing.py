@@ -180,6 +180,16 @@ class StepClock:
         """What was timed since the last step closed belongs to no step (a gap)."""
         self._acc, self._waited = dict.fromkeys(PHASES, 0.0), 0.0
 
+    def stash(self) -> Any:
+        """What the step in progress has timed so far, taken aside (an evaluation
+        begins in it); ``restore`` puts it back and drops what was timed meanwhile."""
+        state = (self._acc, self._waited)
+        self.forget()
+        return state
+
+    def restore(self, state: Any) -> None:
+        self._acc, self._waited = state
+
     def close(self, made: Callable[[dict], Any], duration: float) -> list:
         """The step's event, ``made(phases)``, ready to send: here at once."""
         return [made(self.take(duration))]
@@ -309,6 +319,19 @@ class DeviceStepClock(StepClock):
         if not self._open:  # marks an open phase began with stay
             self._free.extend(self._marks)
             self._marks, self._spans = [], []
+
+    def stash(self) -> Any:
+        marks = None
+        if not self._open:
+            marks, self._marks, self._spans = (self._marks, self._spans), [], []
+        return super().stash(), marks
+
+    def restore(self, state: Any) -> None:
+        host, marks = state
+        super().restore(host)
+        if marks is not None and not self._open:
+            self._free.extend(self._marks)
+            self._marks, self._spans = marks
 
     def close(self, made: Callable[[dict], Any], duration: float) -> list:
         host = self.take(duration)
