@@ -332,7 +332,7 @@ class Context:
             loader, sampler, self.device, on_batch=self._on_batch,
             on_data_time=self._data_clock(), on_epoch_end=self._on_epoch_end,
             models=self._models,
-            on_evaluation=self._recorder.on_evaluation if self._recorder else None)
+            recorder=self._recorder)
         self._loaders.append(made)
         if self._checkpoints is not None and self._checkpoints.loader is None:
             self._checkpoints.attach(made)  # the first loader after checkpoint_every

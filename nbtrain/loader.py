@@ -13,6 +13,7 @@ import itertools
 import sys
 import time
 from collections.abc import Callable, Generator, Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -44,15 +45,16 @@ class DeviceLoader:
     every one of ``models`` (those ``ctx.setup`` returned) is in eval mode is an
     evaluation: its batches are no steps, every rank takes rank 0's running statistics
     (batch norm's: under FSDP each rank updated its own in the last forward), and
-    ``on_evaluation(done, batches)`` is told as it begins, after each batch and as it
-    ends (``done == batches``, also when the loop broke off)."""
+    ``recorder.on_evaluation(done, batches)`` is told as it begins, after each batch and
+    as it ends (``done == batches``, also when the loop broke off); ``gather``'s
+    collectives run in ``recorder.aside()``, in no step either."""
 
     def __init__(self, loader: DataLoader, sampler: ResumableSampler, device: torch.device,
                  on_batch: Callable[[int, int, int], None],
                  on_data_time: Callable[[float], None] | None,
                  on_epoch_end: Callable[[], None],
                  models: list[nn.Module] | None = None,
-                 on_evaluation: Callable[[int, int], None] | None = None):
+                 recorder: Any = None):
         self.loader = loader
         self.sampler = sampler
         self.epoch = 0
@@ -62,7 +64,7 @@ class DeviceLoader:
         self._on_batch, self._on_data_time = on_batch, on_data_time
         self._on_epoch_end = on_epoch_end
         self._models = models if models is not None else []
-        self._on_evaluation = on_evaluation or (lambda done, batches: None)
+        self._recorder = recorder  # the rank's telemetry Recorder, None when off
         self.on_fetch: Callable[[DeviceLoader], None] | None = None
         self._resume: tuple[int, int] | None = None
         self._done_epochs = 0  # epochs a resumed loader hands out empty
@@ -174,6 +176,10 @@ class DeviceLoader:
             self._on_evaluation(total, total)
         return False
 
+    def _on_evaluation(self, done: int, total: int) -> None:
+        if self._recorder is not None:
+            self._recorder.on_evaluation(done, total)
+
     def gather(self, values: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         """Every rank's per-sample ``values`` from its last pass over this loader, put
         together on every rank: one row per sample of the dataset, in the dataset's
@@ -202,14 +208,17 @@ class DeviceLoader:
             raise ValueError(f"loader.gather takes one row per sample of this "
                              f"rank's pass over the loader, {sampler.num_samples}; got "
                              f"{len(values)}. Pass every batch's values, from one whole pass.")
-        shapes = [None] * sampler.num_replicas
-        dist.all_gather_object(shapes, f"{tuple(values.shape)} {values.dtype}")
-        if len(set(shapes)) > 1:
-            raise ValueError("loader.gather: the ranks' values differ in shape or dtype ("
-                             + ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
-                             + "); give each sample's values the same shape and dtype on every rank.")
+        shapes: list[Any] = [None] * sampler.num_replicas
         parts = [torch.empty_like(values) for _ in range(sampler.num_replicas)]
-        dist.all_gather(parts, values.contiguous())
+        aside = self._recorder.aside() if self._recorder is not None else nullcontext()
+        with aside:  # an evaluation's, in no training step
+            dist.all_gather_object(shapes, f"{tuple(values.shape)} {values.dtype}")
+            if len(set(shapes)) > 1:
+                raise ValueError("loader.gather: the ranks' values differ in shape or dtype ("
+                                 + ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
+                                 + "); give each sample's values the same shape and dtype "
+                                 "on every rank.")
+            dist.all_gather(parts, values.contiguous())
         out = values.new_empty((len(sampler.dataset), *values.shape[1:]))
         for r, part in enumerate(parts):
             out[torch.tensor(_indices(sampler, r), device=out.device)] = part

@@ -288,6 +288,13 @@ def evaluates_at_the_top_of_the_loop(ctx, every=3, seconds=1.0):
         ctx.backward(F.cross_entropy(model(x), y))
         opt.step()
         opt.zero_grad()
+        if i == 6:
+            break  # the last step stays open: the evaluation below pauses it too
+    model.eval()
+    with torch.no_grad():
+        out = [model(vx).sum(1) for vx, _ in val]
+        time.sleep(seconds)  # the last step ends with its optimizer step, not after this
+        return val.gather(out).shape
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -296,15 +303,16 @@ def test_an_evaluation_inside_a_step_pauses_it(strategy):
     optimizer step) and not the evaluation's second, nor its forwards or collectives."""
     run = nbtrain.launch(evaluates_at_the_top_of_the_loop, devices=2, strategy=strategy,
                          dashboard=False)
+    assert run.results == [torch.Size([N_VAL])] * 2
     for rank in (0, 1):
         steps = run.history.events("step", rank)
-        assert [s.step for s in steps] == list(range(8))
+        assert [s.step for s in steps] == list(range(7))
         paused = [s for s in steps if s.step % 3 == 1]
         assert all(s.duration < 1.0 for s in steps), [(s.step, s.duration) for s in steps]
         for s in paused:
             assert s.phases["forward"] > 0 and s.phases["backward"] > 0, s
             assert sum(s.phases.values()) <= s.duration + len(s.phases) * 0.5e-6, s
-        if strategy == "ddp":  # the step's own all-reduce, none of the evaluation's
+        if strategy == "ddp":  # the step's own all-reduce, none of the evaluation's or gather's
             assert {tuple(c.counts.items()) for c in run.history.events("comm", rank)} == {
                 (("all_reduce", 1),)}
         assert len(run.history.events("evaluation", rank)) == 3 * 2  # begun, ended: 3 times

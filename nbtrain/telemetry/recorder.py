@@ -170,6 +170,18 @@ class Recorder:
         self.client.send(Evaluation(rank=self.rank, step=max(self._step, 0), t=now,
                                     done=done, batches=batches))
 
+    @contextlib.contextmanager
+    def aside(self):
+        """What runs in here (gathering an evaluation's results) is in no step."""
+        outer = self._paused_at is not None
+        if not outer:
+            self._pause(time.monotonic())
+        try:
+            yield
+        finally:
+            if not outer:
+                self._resume(time.monotonic())
+
     def _pause(self, now: float) -> None:
         if self._paused_at is None:
             self._paused_at = now
@@ -184,10 +196,13 @@ class Recorder:
             self.clock.restore(clock)
         if self.comm:
             self.comm.restore(comm)
+        shift = now - self._paused_at
         if self._last is not None:
-            self._last += now - self._paused_at
+            if self._opt_end >= self._last:  # the step's optimizer step, before the pause:
+                self._opt_end += shift  # where the step ends if it is the last (close)
+            self._last += shift
         elif not self._batches_seen:  # before the first optimizer step: step 0 starts later
-            self._watched_at += now - self._paused_at
+            self._watched_at += shift
         self._paused_at = self._stash = None
 
     def on_epoch_end(self) -> None:
