@@ -115,7 +115,7 @@ class DeviceLoader:
             self.batch = 0
         self.sampler.set_epoch(self.epoch)
         batches = iter(self.loader)
-        evaluating = self._models and not any(m.training for m in self._models)
+        evaluating = bool(self._models) and not any(m.training for m in self._models)
         if evaluating and not (yield from self._evaluate(batches)):
             self.epoch += 1
             return

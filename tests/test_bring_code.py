@@ -171,6 +171,9 @@ def test_a_lightning_trainer_runs_unchanged_as_its_ddp_notebook_does(k, kernel_c
                 loss = F.mse_loss(self.net(x), y)
                 self.log("train_loss", loss)
                 return loss
+            def validation_step(self, batch, i):
+                x, y = batch
+                self.log("val_loss", F.mse_loss(self.net(x), y))
             def configure_optimizers(self):
                 return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -180,7 +183,7 @@ def test_a_lightning_trainer_runs_unchanged_as_its_ddp_notebook_does(k, kernel_c
                                 max_epochs=1, logger=False, enable_checkpointing=False,
                                 enable_progress_bar=False, enable_model_summary=False)
             module = Regression()
-            trainer.fit(module, DataLoader(DATA, batch_size=8))
+            trainer.fit(module, DataLoader(DATA, batch_size=8), DataLoader(DATA, batch_size=16))
             return {"world": trainer.world_size, "weight": module.net.weight.detach().clone()}
 
         run = nbtrain.launch(pl_main, devices=2)
@@ -189,12 +192,14 @@ def test_a_lightning_trainer_runs_unchanged_as_its_ddp_notebook_does(k, kernel_c
         print("same", all(torch.equal(r["weight"], own["weight"]) for r in run.results))
         print("shown", shown(run), run.note)
         print("its metric", len(run.history.metric("train_loss", 1)))
+        print("its validation", run.history.metric("val_loss", 1)[-1][0])
         alone = nbtrain.launch(pl_main, "auto", "auto", devices=2)
         print("alone", [r["world"] for r in alone.results], alone.note is not None)
     ''', stderr=err)
     assert "world [2, 2]" in out and "same True" in out, out
     assert "shown {0: (4, 1, 4), 1: (4, 1, 4)} None" in out, out
     assert "its metric 4" in out, out  # self.log("train_loss"), through the entry point
+    assert "its validation 3" in out, out  # the last epoch's, at its last step
     assert "alone [1, 1] True" in out, out  # devices="auto": each rank trained alone, said
     # Lightning's log lines from the ranks carry their rank (its handlers were the kernel's)
     # (ddp_notebook's own lines, from the kernel and its children, carry none)

@@ -23,14 +23,28 @@ def _base():
 
 
 class NbtrainCallback(_base()):
-    """After each training batch: the metrics logged on the step (``on_step``) so far."""
+    """After each training batch, and after each validation (the last epoch's has no
+    training batch after it): the metrics logged since (``trainer.callback_metrics``
+    holds every metric's latest value; one that is the same tensor as last time, a
+    validation's between two validations, is not sent again)."""
+
+    def __init__(self):
+        self._sent: dict[str, object] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._log(trainer)
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:  # the two batches Lightning runs before training
+            self._log(trainer)
+
+    def _log(self, trainer) -> None:
         values = {}
         for name, value in trainer.callback_metrics.items():
             try:
-                if value.numel() == 1:
+                if value.numel() == 1 and self._sent.get(name) is not value:
                     values[name] = value.detach()
+                    self._sent[name] = value
             except AttributeError:
                 continue
         if values:  # global_step counts the optimizer step just taken
