@@ -318,3 +318,30 @@ def test_an_evaluation_inside_a_step_pauses_it(strategy):
             assert {tuple(c.counts.items()) for c in run.history.events("comm", rank)} == {
                 (("all_reduce", 1),)}
         assert len(run.history.events("evaluation", rank)) == 3 * 2  # begun, ended: 3 times
+
+
+def test_lightnings_validation_metrics_arrive_once_a_validation(monkeypatch):
+    """nbtrain's Lightning callback, driven as Lightning drives it over two epochs: the
+    training step's loss at every step, the validation's loss once after each validation
+    (the last one too), never re-sent at the steps between, nothing from the sanity check."""
+    pytest.importorskip("lightning")
+    from types import SimpleNamespace
+
+    from nbtrain.integrations import lightning as adapter
+
+    sent = []
+    monkeypatch.setattr(adapter.active, "log", lambda step, values: sent.append((step, *values)))
+    callback = adapter.NbtrainCallback()
+    trainer = SimpleNamespace(callback_metrics={}, global_step=0, sanity_checking=True)
+    trainer.callback_metrics = {"val_loss": torch.tensor(9.0)}
+    callback.on_validation_end(trainer, None)  # the sanity check: not sent (nor, kept
+    trainer.sanity_checking = False  # in callback_metrics, at the training steps after)
+    for epoch in range(2):
+        for _ in range(3):
+            trainer.global_step += 1
+            trainer.callback_metrics["train_loss"] = torch.tensor(float(trainer.global_step))
+            callback.on_train_batch_end(trainer, None, None, None, 0)
+        trainer.callback_metrics["val_loss"] = torch.tensor(10.0 + epoch)
+        callback.on_validation_end(trainer, None)
+    assert sent == [(0, "train_loss"), (1, "train_loss"), (2, "train_loss"), (2, "val_loss"),
+                    (3, "train_loss"), (4, "train_loss"), (5, "train_loss"), (5, "val_loss")]

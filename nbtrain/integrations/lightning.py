@@ -23,29 +23,34 @@ def _base():
 
 
 class NbtrainCallback(_base()):
-    """After each training batch, and after each validation (the last epoch's has no
-    training batch after it): the metrics logged since (``trainer.callback_metrics``
-    holds every metric's latest value; one that is the same tensor as last time, a
-    validation's between two validations, is not sent again)."""
+    """After each training batch, the metrics its step logged; after each validation (not
+    the sanity check), the validation's, the last epoch's too (no training batch follows
+    it). ``trainer.callback_metrics`` holds every metric's latest value: a metric first
+    seen after a validation is the validation's, and is not sent again at every step."""
 
     def __init__(self):
-        self._sent: dict[str, object] = {}
+        self._training: set[str] = set()
+        self._validation: set[str] = set()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self._log(trainer)
+        names = set(trainer.callback_metrics) - self._validation
+        self._training |= names
+        _log(trainer, names)
 
     def on_validation_end(self, trainer, pl_module):
-        if not trainer.sanity_checking:  # the two batches Lightning runs before training
-            self._log(trainer)
+        names = set(trainer.callback_metrics) - self._training
+        self._validation |= names  # the sanity check's too, should Lightning keep them
+        if not trainer.sanity_checking:
+            _log(trainer, names)
 
-    def _log(self, trainer) -> None:
-        values = {}
-        for name, value in trainer.callback_metrics.items():
-            try:
-                if value.numel() == 1 and self._sent.get(name) is not value:
-                    values[name] = value.detach()
-                    self._sent[name] = value
-            except AttributeError:
-                continue
-        if values:  # global_step counts the optimizer step just taken
-            active.log(max(trainer.global_step - 1, 0), values)
+
+def _log(trainer, names: set[str]) -> None:
+    values = {}
+    for name, value in trainer.callback_metrics.items():
+        try:
+            if name in names and value.numel() == 1:
+                values[name] = value.detach()
+        except AttributeError:
+            continue
+    if values:  # global_step counts the optimizer step just taken
+        active.log(max(trainer.global_step - 1, 0), values)
