@@ -31,6 +31,7 @@ SMALL = {
     "browser.py": ("--repeats 1", "first chart"),
     "unused_params.py": ("--steps 3 --rounds 1 --width 16", "ratio True/False"),
     "restart.py": ("--repeats 1 --methods fork", "death -> next step"),
+    "evaluation.py": ("--repeats 1 --epochs 1", "steps counted: 64 of 64"),
 }
 NEEDS = {"browser.py": "tests/browser/lab.py"}  # what a benchmark needs beyond the extras
 
