@@ -8,7 +8,6 @@ results together, each sample once."""
 
 from __future__ import annotations
 
-import copy
 import itertools
 import sys
 import time
@@ -208,8 +207,12 @@ class DeviceLoader:
             raise ValueError(f"loader.gather takes one row per sample of this "
                              f"rank's pass over the loader, {sampler.num_samples}; got "
                              f"{len(values)}. Pass every batch's values, from one whole pass.")
-        shapes: list[Any] = [None] * sampler.num_replicas
-        parts = [torch.empty_like(values) for _ in range(sampler.num_replicas)]
+        n = sampler.num_replicas
+        shapes: list[Any] = [None] * n
+        parts = [torch.empty_like(values) for _ in range(n)]
+        # the dataset indices of this rank's rows: its sampler's, in the pass's epoch
+        mine = torch.tensor(list(DistributedSampler.__iter__(sampler)), device=values.device)
+        where = [torch.empty_like(mine) for _ in range(n)]
         aside = self._recorder.aside() if self._recorder is not None else nullcontext()
         with aside:  # an evaluation's, in no training step
             dist.all_gather_object(shapes, f"{tuple(values.shape)} {values.dtype}")
@@ -219,17 +222,10 @@ class DeviceLoader:
                                  + "); give each sample's values the same shape and dtype "
                                  "on every rank.")
             dist.all_gather(parts, values.contiguous())
+            dist.all_gather(where, mine)
         out = values.new_empty((len(sampler.dataset), *values.shape[1:]))
-        for r, part in enumerate(parts):
-            out[torch.tensor(_indices(sampler, r), device=out.device)] = part
+        out[torch.cat(where)] = torch.cat(parts)  # a repeated sample: either copy, the same
         return out
-
-
-def _indices(sampler: DistributedSampler, rank: int) -> list[int]:
-    """The dataset indices ``rank``'s sampler gives in the sampler's current epoch."""
-    other = copy.copy(sampler)
-    other.rank = rank
-    return list(DistributedSampler.__iter__(other))
 
 
 def _batch_size(batch: Any) -> int:
