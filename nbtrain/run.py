@@ -7,14 +7,13 @@ import contextlib
 import dataclasses
 import os
 import pathlib
-import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .cells import busy_while_blocking
+from .cells import CellOutput, busy_while_blocking
 from .errors import RunStoppedError, RunTimeoutError, WorkerError, cell_names, places_of, where_text
 from .restarts import Attempt, history_text, retry_cause
 from .telemetry.events import Checkpoint, Event, Lifecycle, Output, Restart
@@ -88,7 +87,7 @@ class Run:
         self._cleanup: list = []  # callables run once the workers are gone
         self._done = threading.Event()
         self._lock = threading.Lock()
-        self._streams = {"out": sys.stdout, "err": sys.stderr}
+        self._cell = CellOutput()  # where the ranks' lines and displays go
         self._last_step: dict[int, int] = {}
         self._sinks = SinkDispatcher(list(sinks))
         # Set by nbtrain.listen(): a run of a job elsewhere, watched. It has the job's
@@ -253,17 +252,15 @@ class Run:
 
     def write_output(self, rank: int, stream: str, line: str) -> None:
         """One whole line of a rank's output (``stream``: ``"out"`` or ``"err"``), into the
-        history and the sinks, and to the cell labelled ``[rank N]``."""
-        event = Output(rank=rank, step=self._last_step.get(rank, 0), t=time.monotonic(),
-                       stream="stdout" if stream == "out" else "stderr", line=line)
-        self.history.append(event)
-        self._sinks.put(event)
-        target = self._streams[stream]
-        try:
-            target.write(f"[rank {rank}] {line}\n")
-            target.flush()
-        except Exception:
-            pass
+        history and the sinks, and to the cell labelled ``[rank N]``; what a forked rank
+        displayed (``"display"``) and the line a rank redraws in place (``"err-live"``),
+        to the cell only (``cells.CellOutput``)."""
+        if stream in ("out", "err"):
+            event = Output(rank=rank, step=self._last_step.get(rank, 0), t=time.monotonic(),
+                           stream="stdout" if stream == "out" else "stderr", line=line)
+            self.history.append(event)
+            self._sinks.put(event)
+        self._cell.write(rank, stream, line)
 
     def queued(self) -> None:
         """The ranks wait for a scheduler (a SLURM job in its queue): ``status`` says
@@ -347,8 +344,8 @@ class Run:
     def _say(self, text: str) -> None:
         """A line of nbtrain's own in the run's output (the cell), after the ranks'."""
         with contextlib.suppress(Exception):
-            self._streams["err"].write(text and text + "\n")
-            self._streams["err"].flush()
+            self._cell.streams["err"].write(text and text + "\n")
+            self._cell.streams["err"].flush()
 
     def _conclude(self, outcome) -> None:
         workers, at = outcome.workers, places_of(outcome.workers)  # where ranks were ended

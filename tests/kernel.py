@@ -20,6 +20,9 @@ class Reply:
     error: dict | None = None  # {"ename", "evalue", "traceback"}
     results: list = field(default_factory=list)  # text/plain of execute_result messages
     displays: list = field(default_factory=list)  # data of display_data messages
+    # (msg_type, content) of every other message for the cell: update_display_data,
+    # comm_open and comm_msg (widgets), clear_output
+    others: list = field(default_factory=list)
     seconds: float = 0.0
     execution_count: int | None = None  # the cell's In[N], as the frontend shows it
 
@@ -116,6 +119,9 @@ class Kernel:
                 reply.results.append(content["data"].get("text/plain", ""))
             elif kind == "execute_input":
                 reply.execution_count = content.get("execution_count")
+            elif kind in ("update_display_data", "comm_open", "comm_msg", "comm_close",
+                          "clear_output"):
+                reply.others.append((kind, content))
             elif kind == "status" and content["execution_state"] == "idle":
                 reply.seconds = time.monotonic() - start
                 del self._replies[msg_id]

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import re
-import sys
 import threading
 import time
 from typing import Any
 
-from ..cells import busy_while_blocking
+from ..cells import CellOutput, busy_while_blocking
 from ..errors import RunTimeoutError, places_of, where_text
 from ..wire import Command, DropGroup, Regroup, encode_command
 from .launcher import interrupts_deferred
@@ -252,20 +251,13 @@ def _quieter(emit):
     """What ranks write while their group starts again goes to stderr (it is not the
     cell's output), without gloo's line saying so."""
     def quieter(rank: int, stream: str, line: str) -> None:
-        if not _GLOO_START.match(line):
+        if stream not in ("out", "err"):  # a display, a bar redrawn in place
+            emit(rank, stream, line)
+        elif not _GLOO_START.match(line):
             emit(rank, "err", line)
 
     return quieter
 
 
 def _writer():
-    streams = {"out": sys.stdout, "err": sys.stderr}
-
-    def emit(rank: int, stream: str, line: str) -> None:
-        try:
-            streams[stream].write(f"[rank {rank}] {line}\n")
-            streams[stream].flush()
-        except Exception:
-            pass
-
-    return emit
+    return CellOutput().write

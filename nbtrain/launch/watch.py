@@ -30,6 +30,7 @@ from ..wire import (
 from .failures import Failure, explain_alone, reported_failure, with_stack
 from .late import Late
 from .launcher import WorkerHandle
+from .pipes import PipeText
 from .stacks import FATAL, Dump, in_dump
 
 
@@ -50,7 +51,8 @@ class RankState:
     last_err: deque[str] = field(default_factory=lambda: deque(maxlen=8))  # before that
     where: Frame | None = None  # where its function was when it was ended (if asked)
     activity: Activity | None = None  # what its function did
-    partial: dict[str, str] = field(default_factory=lambda: {"out": "", "err": ""})
+    pipes: dict[str, PipeText] = field(
+        default_factory=lambda: {"out": PipeText("out"), "err": PipeText("err")})
 
     @property
     def rank(self) -> int:
@@ -233,9 +235,10 @@ class Watch:
             self._forget(conn)
             self._flush_partial(w, stream)
             return False
-        text = w.partial[stream] + data.decode("utf-8", errors="replace")
-        *lines, w.partial[stream] = text.split("\n")
-        for line in lines:
+        for kind, line in w.pipes[stream].feed(data):
+            if kind != stream:  # a display record, a redrawn line: to the cell
+                self.emit(w.rank, kind, line)
+                continue
             if stream == "err" and self._dying(w, line):
                 continue
             if stream == "err" and w.tail:
@@ -264,12 +267,12 @@ class Watch:
         return True
 
     def _flush_partial(self, w: RankState, stream: str) -> None:
-        if w.partial[stream]:
+        rest = w.pipes[stream].end()
+        if rest:
             if stream == "err" and w.dying is not None:
-                w.dying.append(w.partial[stream])
+                w.dying.append(rest)
             else:
-                self.emit(w.rank, stream, w.partial[stream])
-            w.partial[stream] = ""
+                self.emit(w.rank, stream, rest)
 
     def drain_to_end(self, within: float) -> None:
         """Read the last lines, up to end-of-file (or ``within`` seconds, if something the
@@ -383,3 +386,4 @@ def kill_group(pid: int, sig: int) -> None:
     if alive:
         with contextlib.suppress(OSError):
             os.kill(pid, sig)
+

@@ -40,6 +40,7 @@ from ..wire import (
     encode_result,
     encode_store,
 )
+from . import displays
 
 
 def _bootstrap_stacks() -> None:
@@ -126,6 +127,7 @@ def _become_worker(spec: WorkerSpec, out_w, err_w) -> None:
     sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, encoding="utf-8",
                                        errors="replace", closefd=False)
     _retarget_log_handlers(before)
+    displays.forward()  # forked from a kernel: its shell's displays go to the cell
     _bootstrap_stacks()
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from ..cells import cell_parent
 from ..run import Run
 from ..telemetry.channel import TelemetryServer, format_address
 from ..telemetry.events import Event, Lifecycle
@@ -263,17 +264,6 @@ def _reachable(host: str, bound: str) -> str:
     except OSError:
         return name
     return name if address.startswith("127.") else address
-
-
-def cell_parent():
-    """The running cell's message header in an ipykernel (where displays go), else None."""
-    if "IPython" not in sys.modules:
-        return None
-    from IPython import get_ipython
-
-    pub = getattr(get_ipython(), "display_pub", None)
-    header = getattr(pub, "parent_header", None)
-    return dict(header) or None if header is not None else None
 
 
 class in_cell:

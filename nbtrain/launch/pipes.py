@@ -1,0 +1,70 @@
+"""A rank's stdout or stderr as the kernel reads it: whole lines, in order with the
+display records a forked rank writes between them (``wire.DISPLAY_MARK``, taken out
+where they stand, mid-line too), and a line redrawn in place with carriage returns (a
+progress bar: tqdm, a transformers Trainer's) kept to what a terminal shows of it, its
+redraws reported as they come instead of held until its newline."""
+
+from __future__ import annotations
+
+import codecs
+
+from ..wire import DISPLAY_MARK
+
+
+class PipeText:
+    """``feed(data)`` gives ``(kind, text)`` pairs in order: ``(stream, line)`` for a
+    whole line, ``("display", record)``, and ``(stream + "-live", shown)`` when the line
+    still being redrawn shows something new (``""``: it ended or cleared itself)."""
+
+    def __init__(self, stream: str):
+        self.stream = stream
+        self._decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        self.partial = ""  # the line not ended yet (of a redrawn one: what shows, then
+        self.live: str | None = None  # its last redraw); what it showed as reported
+
+    def feed(self, data: bytes) -> list[tuple[str, str]]:
+        items: list[tuple[str, str]] = []
+        text = self.partial + self._decode(data)  # a character split between reads waits
+        start = 0
+        pending = ""  # a line's start, before a record that stood in it
+        while (end := text.find("\n", start)) >= 0:
+            piece = text[start:end]
+            start = end + 1
+            mark = piece.find(DISPLAY_MARK)
+            if mark >= 0:
+                pending += piece[:mark]
+                items.append(("display", piece[mark + len(DISPLAY_MARK):]))
+                continue
+            line, pending = pending + piece, ""
+            if self.live is not None:  # the redrawn line ended
+                self.live = None
+                items.append((self.stream + "-live", ""))
+            if "\r" in line:
+                line = redrawn(line)
+                if line is None:  # it cleared itself
+                    continue
+            items.append((self.stream, line))
+        self.partial = pending + text[start:]
+        if "\r" in self.partial and DISPLAY_MARK not in self.partial:
+            *before, last = self.partial.split("\r")
+            self.partial = (redrawn("\r".join(before)) or "") + "\r" + last
+            shown = redrawn(self.partial) or ""
+            if shown != (self.live or ""):
+                self.live = shown
+                items.append((self.stream + "-live", shown))
+        return items
+
+    def end(self) -> str | None:
+        """The unended line, as shown, once the pipe is closed (or the rank is gone)."""
+        rest, self.partial, self.live = self.partial, "", None
+        return redrawn(rest) if "\r" in rest else rest or None
+
+
+def redrawn(line: str) -> str | None:
+    """What a terminal shows of a line redrawn in place: each carriage return goes back
+    to its start and overwrites it. None when nothing is left (a bar that cleared
+    itself)."""
+    shown = ""
+    for part in line.split("\r"):
+        shown = part + shown[len(part):]
+    return shown.rstrip() or None

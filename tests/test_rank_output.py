@@ -1,0 +1,216 @@
+"""What ranks show besides lines: a progress bar redrawn in place (tqdm's carriage
+returns) and, from a rank forked from a kernel, IPython displays (an HTML table updated
+by its display id, tqdm's notebook widgets, a transformers Trainer's progress table).
+The kernel tests run in a real ipykernel driven by jupyter_client."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+
+import nbtrain
+from nbtrain.cells import CellOutput
+from nbtrain.launch.pipes import PipeText, redrawn
+from nbtrain.wire import DISPLAY_MARK, Display, decode_display, encode_display
+
+
+def shown(text: str) -> str:
+    """What Jupyter (and a terminal) shows of stream text: each carriage return goes back
+    to the line's start and overwrites it."""
+    return "\n".join(redrawn(line) or "" for line in text.split("\n"))
+
+
+# -- pieces ------------------------------------------------------------------------------
+def test_a_redrawn_line_is_what_a_terminal_shows():
+    assert redrawn("\r 10%|#\r 20%|##\r100%|###") == "100%|###"
+    assert redrawn("abcdef\rXY") == "XYcdef"  # a shorter redraw leaves the rest
+    assert redrawn("bar\r   \r") is None  # a bar that cleared itself
+    assert redrawn("done\r") == "done"  # a Windows line end
+
+
+def test_a_pipe_gives_lines_records_and_redraws_in_order():
+    pipe = PipeText("err")
+    record = encode_display(Display("display_data", {"data": {"text/plain": "T"}}))
+    bar = "█".encode()
+    items = pipe.feed(b"before\nhalf " + record + b"line\n\r 1%|" + bar[:1])
+    items += pipe.feed(bar[1:] + b"|\r 2%|##")  # a character split between two reads
+    assert items == [("err", "before"), ("display", record.decode()[len(DISPLAY_MARK):-1]),
+                     ("err", "half line"), ("err-live", " 1%|"), ("err-live", " 2%|##")]
+    for i in range(1000):  # a long run's redraws: what is kept stays one line long
+        pipe.feed(f"\r{i:4d}%|".encode())
+    assert len(pipe.partial) < 20
+    assert pipe.feed(b"\r done\n") == [("err-live", ""), ("err", " done|")]
+    assert pipe.feed(b"tail \r") == [("err-live", "tail")] and pipe.end() == "tail"
+    assert pipe.feed(record[:10]) == [] and pipe.feed(record[10:] + b"x\n") == [
+        ("display", record.decode()[len(DISPLAY_MARK):-1]), ("err", "x")]
+
+
+def test_a_display_record_round_trips_and_a_bad_one_is_refused():
+    record = encode_display(Display("update_display_data",
+                                    {"data": {"text/html": "<b>é\n</b>"},
+                                     "transient": {"display_id": "x"}},
+                                    buffers=[b"\x00\xff"])).decode()
+    assert record.startswith(DISPLAY_MARK) and record.endswith("\n") and record.count("\n") == 1
+    back = decode_display(record[len(DISPLAY_MARK):-1])
+    assert back.content["data"]["text/html"] == "<b>é\n</b>" and back.buffers == [b"\x00\xff"]
+    for bad in ("{", '{"msg_type": "execute_reply", "content": {}}', '{"content": {}}'):
+        with pytest.raises(ValueError, match="display record"):
+            decode_display(bad)
+
+
+def test_every_ranks_live_bar_shares_one_line_below_the_lines_and_ends_as_one_line():
+    out = CellOutput()
+    out.streams = {"out": io.StringIO(), "err": io.StringIO()}
+    out.REDRAW_S = 0.0
+    out.write(0, "err-live", " 10%|#")
+    out.write(1, "err-live", " 50%|#####")
+    out.write(0, "err", "a warning")  # a line goes above the live one
+    out.write(1, "err-live", "")  # rank 1's bar ended (cleared) ...
+    out.write(0, "err-live", " 90%|#########")
+    assert shown(out.streams["err"].getvalue()).split("\n") == [
+        "[rank 0] a warning", "[rank 0]  90%|#########"]
+    out.write(0, "err", "100%|##########")  # ... and rank 0's ended with its line
+    assert shown(out.streams["err"].getvalue()).split("\n") == [
+        "[rank 0] a warning", "[rank 0] 100%|##########", ""]
+    assert "\r[rank 0]  10%|#   [rank 1]  50%|#####" in out.streams["err"].getvalue()
+
+
+def test_outside_a_kernel_a_display_is_its_text():
+    out = CellOutput()
+    out.streams = {"out": io.StringIO(), "err": io.StringIO()}
+    record = encode_display(Display("display_data", {"data": {"text/plain": "<Table>\nrow"}}))
+    out.write(1, "display", record.decode()[len(DISPLAY_MARK):-1])
+    out.write(1, "display", "not json")  # a torn record is dropped
+    assert out.streams["out"].getvalue() == "[rank 1] <Table>\n[rank 1] row\n"
+
+
+# -- real ranks --------------------------------------------------------------------------
+def bars(ctx, n=40):
+    import time
+
+    from tqdm import tqdm
+
+    for _ in tqdm(range(n), desc=f"rank{ctx.rank}", mininterval=0, file=sys.stderr):
+        time.sleep(0.01)
+    print("after the bar", flush=True)
+    return ctx.rank
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_tqdm_bar_shows_live_and_leaves_one_line(start_method, capsys, no_leftovers):
+    pytest.importorskip("tqdm")
+    run = nbtrain.launch(bars, devices=2, start_method=start_method, dashboard=False)
+    assert run.results == [0, 1]
+    err = capsys.readouterr().err
+    for rank in (0, 1):
+        assert f"\r[rank {rank}] rank{rank}:  " in err  # drawn as it went
+        ends = [e.line for e in run.history.events("output", rank) if e.stream == "stderr"]
+        assert len(ends) == 1 and ends[0].startswith(f"rank{rank}: 100%|") \
+            and ends[0].endswith("it/s]"), ends  # one line in the history, not 40
+        assert f"[rank {rank}] {ends[0]}" in shown(err).split("\n")
+    assert err.count("\n") < 10 and len(err) < 8_000, err  # the 80 redraws are not lines
+
+
+# -- in a kernel ---------------------------------------------------------------------------
+SETUP = '''
+import time, tempfile, torch, nbtrain
+from IPython.display import display, HTML
+
+def table(ctx):
+    print("before", flush=True)
+    handle = display(HTML(f"<b>rank {ctx.rank} at 0</b>"), display_id=True)
+    handle.update(HTML(f"<b>rank {ctx.rank} at 1</b>"))
+    print("after", flush=True)
+    return type(handle).__name__
+
+def widgets(ctx):
+    from tqdm.auto import tqdm   # a kernel's shell: tqdm's notebook bar, an ipywidget
+    for _ in tqdm(range(5), desc=f"rank{ctx.rank}"):
+        time.sleep(0.01)
+    return ctx.rank
+'''
+
+
+@pytest.fixture(scope="module")
+def k(kernel):
+    reply = kernel.run(SETUP)
+    assert reply.error is None, reply.error
+    return kernel
+
+
+def run_cell(k, code: str, timeout: float = 240):
+    reply = k.run(code, timeout=timeout)
+    assert reply.error is None, (reply.error["ename"], reply.error["evalue"], reply.stderr[-3000:])
+    return reply
+
+
+@pytest.mark.kernel
+def test_a_forked_ranks_display_and_its_update_show_in_the_launch_cell(k, kernel_clean):
+    reply = run_cell(k, "nbtrain.launch(table, devices=2, start_method='fork', dashboard=False).results")
+    assert reply.results == ["['DisplayHandle', 'DisplayHandle']"]
+    html = sorted(d["text/html"] for d in reply.displays if "text/html" in d)
+    assert html == ["<b>rank 0 at 0</b>", "<b>rank 1 at 0</b>"], reply.displays
+    updates = [c for kind, c in reply.others if kind == "update_display_data"]
+    assert sorted(u["data"]["text/html"] for u in updates) == \
+        ["<b>rank 0 at 1</b>", "<b>rank 1 at 1</b>"]
+    assert all(u["transient"]["display_id"] for u in updates)
+    assert reply.stdout.count("before") == 2 and reply.stdout.count("after") == 2
+    assert "nbtrain-display" not in reply.stdout  # the records are not lines
+
+
+@pytest.mark.kernel
+def test_a_forked_ranks_notebook_progress_bar_is_a_widget_in_the_cell(k, kernel_clean):
+    pytest.importorskip("tqdm")
+    reply = run_cell(k, "nbtrain.launch(widgets, devices=2, start_method='fork', dashboard=False).results")
+    opened = [c["data"]["state"].get("_model_name") for kind, c in reply.others
+              if kind == "comm_open"]
+    assert opened.count("FloatProgressModel") == 2, opened
+    views = [d for d in reply.displays if "application/vnd.jupyter.widget-view+json" in d]
+    assert len(views) == 2
+    updates = [c for kind, c in reply.others if kind == "comm_msg"]
+    assert any(u["data"].get("state", {}).get("value") == 5 for u in updates)
+
+
+@pytest.mark.kernel
+def test_a_pool_cells_display_shows_in_that_cell(k, kernel_clean):
+    run_cell(k, "%load_ext nbtrain\npool = nbtrain.RankPool(devices=2)")
+    try:
+        reply = run_cell(k, """
+            %%ranks
+            from IPython.display import display, Markdown
+            display(Markdown(f"**rank {rank}**"))
+        """)
+        assert sorted(d.get("text/markdown") for d in reply.displays) == \
+            ["**rank 0**", "**rank 1**"], reply.displays
+    finally:
+        run_cell(k, "pool.close()")
+
+
+@pytest.mark.kernel
+def test_a_transformers_trainer_shows_its_notebook_table_from_the_ranks(k, kernel_clean):
+    pytest.importorskip("transformers")
+    reply = run_cell(k, '''
+        import transformers as tf          # imported in the kernel: its notebook callback
+
+        def hf_main():
+            torch.manual_seed(0)
+            model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=16, n_head=2,
+                                                     vocab_size=32, n_positions=8))
+            ids = torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(1))
+            args = tf.TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3,
+                per_device_train_batch_size=4, use_cpu=True, report_to=[], logging_steps=1,
+                save_strategy="no")
+            trainer = tf.Trainer(model=model, args=args,
+                                 train_dataset=[{"input_ids": r, "labels": r} for r in ids])
+            trainer.train()
+            return sorted(type(c).__name__ for c in trainer.callback_handler.callbacks)
+
+        nbtrain.launch(hf_main, devices=2, start_method="fork", dashboard=False).result
+    ''')
+    assert "NotebookProgressCallback" in reply.results[0]
+    tables = [d["text/html"] for d in reply.displays if "<progress" in d.get("text/html", "")]
+    assert len(tables) == 2, reply.displays
+    last = [c["data"]["text/html"] for kind, c in reply.others if kind == "update_display_data"]
+    assert any("value='3' max='3'" in t for t in last), last[-1:]
