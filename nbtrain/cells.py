@@ -12,7 +12,7 @@ import shutil
 import sys
 import time
 
-from .wire import decode_display
+from .display_record import decode_display
 
 # What a RankPool's code is compiled as (tracebacks and stacks name it): the n-th
 # ``pool.run``'s, or the ``%%ranks`` cell of In[n], sent after a blank line so that its
@@ -115,7 +115,7 @@ class CellOutput:
     """Where the ranks' output goes: the cell running now (a launch's, a pool command's),
     from whichever thread reads the ranks. ``write(rank, stream, line)``: a line of a
     rank's stdout (``"out"``) or stderr (``"err"``) to the cell's, labelled ``[rank N]``;
-    ``"display"``: a forked rank's display record (``wire.Display``), published in the
+    ``"display"``: a forked rank's display record (``display_record.Display``), published in the
     cell as the rank's shell would have, or outside a kernel its text as a line."""
 
     REDRAW_S = 0.1  # the live line is redrawn at most this often

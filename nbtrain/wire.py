@@ -27,7 +27,6 @@ message is a ``ValueError`` that says what arrived, never a ``KeyError`` deep in
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import pickle
@@ -282,46 +281,6 @@ def decode_store(message: bytes) -> StorePort:
     if message[:1] != STORE or not message[1:].isdigit():
         raise ValueError(f"not a store message: {message[:40]!r}")
     return StorePort(int(message[1:]))
-
-# -- a forked rank's displays (on its stdout, between its lines) --------------------------
-# One record a line: this mark, then JSON. A rank forked from a kernel displays through
-# the kernel's shell (rank/displays.py); the kernel publishes each record in the cell.
-DISPLAY_MARK = "\x1enbtrain-display:"
-DISPLAYED = ("display_data", "update_display_data", "clear_output",
-             "comm_open", "comm_msg", "comm_close")
-
-
-@dataclasses.dataclass(frozen=True)
-class Display:
-    """One IOPub message a rank's shell would have sent (``DISPLAYED``): a display, an
-    update of one by its ``display_id``, or a widget's comm message."""
-
-    msg_type: str
-    content: dict
-    metadata: dict = dataclasses.field(default_factory=dict)
-    buffers: list = dataclasses.field(default_factory=list)  # bytes: base64 on the wire
-
-
-def encode_display(display: Display) -> bytes:
-    body = {**dataclasses.asdict(display),
-            "buffers": [base64.b64encode(bytes(b)).decode() for b in display.buffers]}
-    return (DISPLAY_MARK + json.dumps(body, default=str) + "\n").encode()
-
-
-def decode_display(record: str) -> Display:
-    """A record's JSON (what follows ``DISPLAY_MARK`` up to the end of its line)."""
-    try:
-        body = json.loads(record)
-        display = Display(**body)
-        buffers = [base64.b64decode(b) for b in display.buffers]
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"a display record that is not one: {record[:200]!r}") from err
-    if display.msg_type not in DISPLAYED or not isinstance(display.content, dict) \
-            or not isinstance(display.metadata, dict):
-        raise ValueError(f"a display record of no kind a rank displays: {record[:200]!r}")
-    return dataclasses.replace(display, buffers=buffers)
-
-
 
 def _json(message: bytes, tag: bytes) -> Any:
     if message[:1] != tag:

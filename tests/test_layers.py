@@ -86,6 +86,7 @@ def test_circles_are_found():
 # registry; a rank's code knows nothing of the kernel's side; the wire imports nothing.
 FORBIDDEN = {
     "nbtrain.wire": ("nbtrain",),
+    "nbtrain.display_record": ("nbtrain",),
     "nbtrain.plan": ("nbtrain",),
     "nbtrain.rank": ("nbtrain.launch", "nbtrain.run", "nbtrain.scaleout",
                      "nbtrain.ui", "nbtrain.magics", "nbtrain.cells"),

@@ -12,8 +12,8 @@ import pytest
 
 import nbtrain
 from nbtrain.cells import CellOutput
+from nbtrain.display_record import DISPLAY_MARK, Display, decode_display, encode_display
 from nbtrain.launch.pipes import PipeText, redrawn
-from nbtrain.wire import DISPLAY_MARK, Display, decode_display, encode_display
 
 
 def shown(text: str) -> str:

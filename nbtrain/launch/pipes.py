@@ -1,5 +1,5 @@
 """A rank's stdout or stderr as the kernel reads it: whole lines, in order with the
-display records a forked rank writes between them (``wire.DISPLAY_MARK``, taken out
+display records a forked rank writes between them (``display_record.DISPLAY_MARK``, taken out
 where they stand, mid-line too), and a line redrawn in place with carriage returns (a
 progress bar: tqdm, a transformers Trainer's) kept to what a terminal shows of it, its
 redraws reported as they come instead of held until its newline."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import codecs
 
-from ..wire import DISPLAY_MARK
+from ..display_record import DISPLAY_MARK
 
 
 class PipeText:

@@ -5,7 +5,7 @@ notebook progress table and tqdm's notebook bars (``tqdm.auto`` in a kernel) pub
 through the kernel's session, which refuses to send from another process (ipykernel
 logs "attempted to send message from fork" and drops the message: nothing shows). Here
 the session's ``send`` writes what it would have published instead, as one record
-(``wire.DISPLAY_MARK``) on the rank's stdout, in order with its prints; the kernel
+(``display_record.DISPLAY_MARK``) on the rank's stdout, in order with its prints; the kernel
 publishes it in the cell that launched (``cells.CellOutput``). Widgets show and update
 (their comm messages travel too); the kernel does not know their comms, so a change made
 in the page does not reach the rank. A spawned rank has no shell: its ``display()``
@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 
-from ..wire import DISPLAYED, Display, encode_display
+from ..display_record import DISPLAYED, Display, encode_display
 
 
 def forward() -> bool:
