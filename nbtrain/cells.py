@@ -186,8 +186,7 @@ class CellOutput:
         if kernel is not None and self.parent is not None:
             try:
                 kernel.session.send(kernel.iopub_socket, shown.msg_type, shown.content,
-                                    parent=self.parent, metadata=shown.metadata,
-                                    buffers=shown.buffers or None)
+                                    parent=self.parent, metadata=shown.metadata)
             except Exception:  # the kernel is going away
                 pass
         elif shown.msg_type == "display_data":

@@ -5,31 +5,27 @@ imports nothing of nbtrain."""
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 
 # One record a line: this mark, then JSON.
 DISPLAY_MARK = "\x1enbtrain-display:"
-DISPLAYED = ("display_data", "update_display_data", "clear_output",
-             "comm_open", "comm_msg", "comm_close")
+DISPLAYED = ("display_data", "update_display_data")
 
 
 @dataclasses.dataclass(frozen=True)
 class Display:
-    """One IOPub message a rank's shell would have sent (``DISPLAYED``): a display, an
-    update of one by its ``display_id``, or a widget's comm message."""
+    """One IOPub message a rank's shell would have sent (``DISPLAYED``): a display, or
+    an update of one by its ``display_id``."""
 
     msg_type: str
     content: dict
     metadata: dict = dataclasses.field(default_factory=dict)
-    buffers: list = dataclasses.field(default_factory=list)  # bytes: base64 on the wire
 
 
 def encode_display(display: Display) -> bytes:
-    body = {**dataclasses.asdict(display),
-            "buffers": [base64.b64encode(bytes(b)).decode() for b in display.buffers]}
-    return (DISPLAY_MARK + json.dumps(body, default=str) + "\n").encode()
+    return (DISPLAY_MARK + json.dumps(dataclasses.asdict(display), default=str)
+            + "\n").encode()
 
 
 def decode_display(record: str) -> Display:
@@ -37,10 +33,9 @@ def decode_display(record: str) -> Display:
     try:
         body = json.loads(record)
         display = Display(**body)
-        buffers = [base64.b64decode(b) for b in display.buffers]
     except (ValueError, TypeError) as err:
         raise ValueError(f"a display record that is not one: {record[:200]!r}") from err
     if display.msg_type not in DISPLAYED or not isinstance(display.content, dict) \
             or not isinstance(display.metadata, dict):
         raise ValueError(f"a display record of no kind a rank displays: {record[:200]!r}")
-    return dataclasses.replace(display, buffers=buffers)
+    return display

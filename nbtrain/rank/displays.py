@@ -1,15 +1,20 @@
 """A rank forked from a kernel shows its displays in the cell.
 
-Such a rank inherits the kernel's IPython shell: ``display()``, a transformers Trainer's
-notebook progress table and tqdm's notebook bars (``tqdm.auto`` in a kernel) publish
-through the kernel's session, which refuses to send from another process (ipykernel
-logs "attempted to send message from fork" and drops the message: nothing shows). Here
-the session's ``send`` writes what it would have published instead, as one record
-(``display_record.DISPLAY_MARK``) on the rank's stdout, in order with its prints; the kernel
-publishes it in the cell that launched (``cells.CellOutput``). Widgets show and update
-(their comm messages travel too); the kernel does not know their comms, so a change made
-in the page does not reach the rank. A spawned rank has no shell: its ``display()``
-prints the text, as a script's does.
+Such a rank inherits the kernel's IPython shell: ``display()`` and a transformers
+Trainer's notebook progress table (``display(..., display_id=True)``, then updates)
+publish through the kernel's session, which refuses to send from another process
+(ipykernel logs "attempted to send message from fork" and drops the message: nothing
+shows). Here the session's ``send`` writes a display, or an update of one, as one record
+(``display_record.DISPLAY_MARK``) on the rank's stdout, in order with its prints; the
+kernel publishes it in the cell that launched (``cells.CellOutput``).
+
+Widgets are not passed on: their comms live in the rank, so the kernel could show them
+but not keep them (a page reload, nbclient's Output-widget emulation), and an Output
+widget's capture (rich's live display) and ``clear_output`` would reach into the cell
+nbtrain's view and the other ranks share. Their messages, and what a rank displays
+while one of its Output widgets captures, are dropped, as ipykernel dropped them; tqdm
+draws its text bar instead (``_no_widgets``). A spawned rank has no shell:
+its ``display()`` prints the text, as a script's does.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import threading
 
 from ..display_record import DISPLAYED, Display, encode_display
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
 
 def forward() -> bool:
     """Route the inherited shell's displays to this rank's stdout; False without one."""
@@ -29,28 +36,54 @@ def forward() -> bool:
     shell = module.InteractiveShell.instance()
     sessions = [getattr(getattr(shell, "display_pub", None), "session", None),
                 getattr(getattr(shell, "kernel", None), "session", None)]
+    _no_widgets(shell)
     lock = threading.Lock()
+    capturing: set = set()  # the Output widgets capturing now (their comm ids)
     done = set()
     for session in sessions:
         if session is not None and id(session) not in done and hasattr(session, "msg"):
             done.add(id(session))
-            session.send = _sender(session, lock)
+            session.send = _sender(session, lock, capturing)
     return bool(done)
 
 
-def _sender(session, lock: threading.Lock):
+def _no_widgets(shell) -> None:
+    """tqdm draws its text bar here (it shows live, ``launch/pipes.py``), not a widget:
+    what asks (``tqdm.auto`` on first import, transformers' ``is_in_notebook``: is the
+    shell an ``IPKernelApp``'s?) hears no, and the notebook bar the kernel already
+    imported (bound in transformers' ``ProgressCallback``, Lightning's bar, a cell's
+    ``tqdm.auto``) loses its widget methods: it is tqdm's text bar, in this process."""
+    try:
+        shell.config.pop("IPKernelApp", None)
+    except Exception:
+        pass
+    notebook = sys.modules.get("tqdm.notebook")
+    bar = getattr(notebook, "tqdm", None)
+    if not isinstance(bar, type):
+        return
+    for name, value in list(vars(bar).items()):
+        if isinstance(value, (staticmethod, classmethod, property)) or callable(value):
+            try:
+                delattr(bar, name)
+            except (AttributeError, TypeError):
+                pass
+
+
+def _sender(session, lock: threading.Lock, capturing: set):
     def send(stream, msg_or_type, content=None, parent=None, ident=None, buffers=None,
              track=False, header=None, metadata=None):
         if isinstance(msg_or_type, dict):
             msg = msg_or_type
-            buffers = buffers or msg.get("buffers")
         else:
             msg = session.msg(msg_or_type, content, parent=parent, header=header,
                               metadata=metadata)
-        kind = msg["header"]["msg_type"]
-        if kind in DISPLAYED:
-            record = encode_display(Display(kind, msg.get("content") or {},
-                                            msg.get("metadata") or {}, list(buffers or [])))
+        kind, body = msg["header"]["msg_type"], msg.get("content") or {}
+        if kind == "comm_msg":  # an Output widget's capture begins (its msg_id) or ends
+            state = (body.get("data") or {}).get("state") or {}
+            if "msg_id" in state:
+                (capturing.add if state["msg_id"] else capturing.discard)(body.get("comm_id"))
+        elif kind in DISPLAYED and not capturing and WIDGET_VIEW not in body.get("data", {}):
+            record = encode_display(Display(kind, body, msg.get("metadata") or {}))
             with lock:
                 _write(record)
         return msg
