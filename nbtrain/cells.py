@@ -8,11 +8,7 @@ when it is already loaded.
 
 from __future__ import annotations
 
-import shutil
 import sys
-import time
-
-from .display_record import decode_display
 
 # What a RankPool's code is compiled as (tracebacks and stacks name it): the n-th
 # ``pool.run``'s, or the ``%%ranks`` cell of In[n], sent after a blank line so that its
@@ -70,7 +66,7 @@ class busy_while_blocking:
         self._restore = None
         if busy_while_blocking._active or threading.current_thread() is not threading.main_thread():
             return self  # a background wait (the picker's) is not the cell
-        kernel = _kernel()
+        kernel = current_kernel()
         cell = kernel.get_parent("shell") if kernel is not None else None
         if not cell or not hasattr(kernel, "_publish_status"):
             return self
@@ -111,97 +107,7 @@ def cell_parent():
     return dict(header) or None if header is not None else None
 
 
-class CellOutput:
-    """Where the ranks' output goes: the cell running now (a launch's, a pool command's),
-    from whichever thread reads the ranks. ``write(rank, stream, line)``: a line of a
-    rank's stdout (``"out"``) or stderr (``"err"``) to the cell's, labelled ``[rank N]``;
-    ``"display"``: a forked rank's display record (``display_record.Display``), published in the
-    cell as the rank's shell would have, or outside a kernel its text as a line."""
-
-    REDRAW_S = 0.1  # the live line is redrawn at most this often
-
-    def __init__(self):
-        self.streams = {"out": sys.stdout, "err": sys.stderr}
-        self.parent = cell_parent()
-        self._live: dict[tuple[int, str], str] = {}  # (rank, stream): its bar, as shown
-        self._drawn: tuple[str, int] | None = None  # the stream and length of what shows
-        self._drawn_at = 0.0
-
-    def write(self, rank: int, stream: str, line: str) -> None:
-        """``stream`` ``"out-live"``/``"err-live"``: the line a rank redraws in place now
-        (a progress bar; ``""``: gone). Every rank's shows on one line of the cell, redrawn
-        with carriage returns as a terminal and Jupyter show tqdm's, below the lines."""
-        if stream == "display":
-            self.display(rank, line)
-            return
-        if stream.endswith("-live"):
-            key = (rank, stream[:-len("-live")])
-            if line:
-                self._live[key] = line
-            elif self._live.pop(key, None) is None:
-                return
-            if time.monotonic() - self._drawn_at >= self.REDRAW_S or not line:
-                self._erase(key[1])
-                self._draw()
-            return
-        self._erase(stream)
-        self._live.pop((rank, stream), None)
-        self._put(stream, f"[rank {rank}] {line}\n")
-        self._draw()
-
-    def _put(self, stream: str, text: str) -> None:
-        try:
-            self.streams[stream].write(text)
-            self.streams[stream].flush()
-        except Exception:
-            pass
-
-    def _erase(self, stream: str) -> None:
-        """Clear the live line before other text goes to its stream (or, in a terminal,
-        where both streams share the screen, to either)."""
-        if self._drawn is None:
-            return
-        drawn, width = self._drawn
-        if stream == drawn or _tty(self.streams[drawn]):
-            self._put(drawn, "\r" + " " * width + "\r")
-            self._drawn = None
-
-    def _draw(self) -> None:
-        if not self._live:
-            return
-        stream = "err" if any(s == "err" for _, s in self._live) else "out"
-        text = "   ".join(f"[rank {r}] {t}" for (r, _), t in sorted(self._live.items()))
-        if _tty(self.streams[stream]):  # a wrapped line cannot be redrawn in a terminal
-            text = text[:max(20, shutil.get_terminal_size().columns - 1)]
-        width = self._drawn[1] if self._drawn else 0
-        self._put(stream, "\r" + text + " " * max(0, width - len(text)))
-        self._drawn, self._drawn_at = (stream, len(text)), time.monotonic()
-
-    def display(self, rank: int, record: str) -> None:
-        try:
-            shown = decode_display(record)
-        except ValueError:
-            return
-        kernel = _kernel()
-        if kernel is not None and self.parent is not None:
-            try:
-                kernel.session.send(kernel.iopub_socket, shown.msg_type, shown.content,
-                                    parent=self.parent, metadata=shown.metadata)
-            except Exception:  # the kernel is going away
-                pass
-        elif shown.msg_type == "display_data":
-            for line in str(shown.content.get("data", {}).get("text/plain", "")).splitlines():
-                self.write(rank, "out", line)
-
-
-def _tty(stream) -> bool:
-    try:
-        return stream.isatty()
-    except Exception:
-        return False
-
-
-def _kernel():
+def current_kernel():
     if "ipykernel" not in sys.modules:
         return None
     try:

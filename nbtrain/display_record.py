@@ -1,6 +1,6 @@
 """A forked rank's displays as they cross to the kernel: one record a line on the rank's
 stdout, between its own lines (``rank/displays.py`` writes them, ``launch/pipes.py``
-takes them out, ``cells.CellOutput`` publishes them in the cell). Like ``wire.py``, it
+takes them out, ``output.CellOutput`` publishes them in the cell). Like ``wire.py``, it
 imports nothing of nbtrain."""
 
 from __future__ import annotations

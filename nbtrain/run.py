@@ -13,8 +13,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .cells import CellOutput, busy_while_blocking
+from .cells import busy_while_blocking
 from .errors import RunStoppedError, RunTimeoutError, WorkerError, cell_names, places_of, where_text
+from .output import CellOutput
 from .restarts import Attempt, history_text, retry_cause
 from .telemetry.events import Checkpoint, Event, Lifecycle, Output, Restart
 from .telemetry.history import History
@@ -254,7 +255,7 @@ class Run:
         """One whole line of a rank's output (``stream``: ``"out"`` or ``"err"``), into the
         history and the sinks, and to the cell labelled ``[rank N]``; what a forked rank
         displayed (``"display"``) and the line a rank redraws in place (``"err-live"``),
-        to the cell only (``cells.CellOutput``)."""
+        to the cell only (``output.CellOutput``)."""
         if stream in ("out", "err"):
             event = Output(rank=rank, step=self._last_step.get(rank, 0), t=time.monotonic(),
                            stream="stdout" if stream == "out" else "stderr", line=line)

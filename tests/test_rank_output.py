@@ -11,15 +11,16 @@ import sys
 import pytest
 
 import nbtrain
-from nbtrain.cells import CellOutput
 from nbtrain.display_record import DISPLAY_MARK, Display, decode_display, encode_display
 from nbtrain.launch.pipes import PipeText, redrawn
+from nbtrain.output import CellOutput
 
 
 def shown(text: str) -> str:
-    """What Jupyter (and a terminal) shows of stream text: each carriage return goes back
-    to the line's start and overwrites it."""
-    return "\n".join(redrawn(line) or "" for line in text.split("\n"))
+    """What a terminal shows of stream text: each carriage return goes back to the line's
+    start and overwrites it."""
+    return "\n".join(redrawn(line) or "" if "\r" in line else line
+                     for line in text.split("\n"))
 
 
 # -- pieces ------------------------------------------------------------------------------
@@ -59,9 +60,14 @@ def test_a_display_record_round_trips_and_a_bad_one_is_refused():
             decode_display(bad)
 
 
-def test_every_ranks_live_bar_shares_one_line_below_the_lines_and_ends_as_one_line():
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_in_a_terminal_every_ranks_live_bar_shares_one_line_below_the_lines():
     out = CellOutput()
-    out.streams = {"out": io.StringIO(), "err": io.StringIO()}
+    out.streams = {"out": Terminal(), "err": Terminal()}
     out.REDRAW_S = 0.0
     out.write(0, "err-live", " 10%|#")
     out.write(1, "err-live", " 50%|#####")
@@ -74,6 +80,16 @@ def test_every_ranks_live_bar_shares_one_line_below_the_lines_and_ends_as_one_li
     assert shown(out.streams["err"].getvalue()).split("\n") == [
         "[rank 0] a warning", "[rank 0] 100%|##########", ""]
     assert "\r[rank 0]  10%|#   [rank 1]  50%|#####" in out.streams["err"].getvalue()
+
+
+def test_in_a_file_only_the_bars_last_line_is_written():
+    out = CellOutput()
+    out.streams = {"out": io.StringIO(), "err": io.StringIO()}
+    out.REDRAW_S = 0.0
+    for i in range(50):
+        out.write(0, "err-live", f"{i:3d}%|")
+    out.write(0, "err", "100%|")
+    assert out.streams["err"].getvalue() == "[rank 0] 100%|\n"
 
 
 def test_outside_a_kernel_a_display_is_its_text():
@@ -98,18 +114,17 @@ def bars(ctx, n=40):
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_a_tqdm_bar_shows_live_and_leaves_one_line(start_method, capsys, no_leftovers):
+def test_a_tqdm_bar_leaves_one_line_not_its_redraws(start_method, capsys, no_leftovers):
     pytest.importorskip("tqdm")
     run = nbtrain.launch(bars, devices=2, start_method=start_method, dashboard=False)
     assert run.results == [0, 1]
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err  # a file: no live line, each bar's end once
     for rank in (0, 1):
-        assert f"\r[rank {rank}] rank{rank}:  " in err  # drawn as it went
         ends = [e.line for e in run.history.events("output", rank) if e.stream == "stderr"]
         assert len(ends) == 1 and ends[0].startswith(f"rank{rank}: 100%|") \
             and ends[0].endswith("it/s]"), ends  # one line in the history, not 40
-        assert f"[rank {rank}] {ends[0]}" in shown(err).split("\n")
-    assert err.count("\n") < 10 and len(err) < 8_000, err  # the 80 redraws are not lines
+        assert f"[rank {rank}] {ends[0]}" in err.split("\n")
+    assert "\r" not in err and err.count("\n") < 10, err  # the 80 redraws are not lines
 
 
 # -- in a kernel ---------------------------------------------------------------------------
@@ -133,6 +148,14 @@ def widgets(ctx):
 def bound(ctx):
     for _ in BAR(range(20), desc=f"rank{ctx.rank}"):  # the notebook bar, bound in the kernel
         time.sleep(0.02)
+    return ctx.rank
+
+def slow_bars(ctx):
+    from tqdm import tqdm
+    for i in tqdm(range(30), desc=f"rank{ctx.rank}", mininterval=0):
+        time.sleep(0.05)
+        if i == 10:
+            print("a line between", flush=True)
     return ctx.rank
 
 def captured(ctx):
@@ -189,14 +212,34 @@ def test_a_forked_ranks_widgets_and_captures_leave_the_cell_alone(k, kernel_clea
         reply = run_cell(k, f"nbtrain.launch({fn}, devices=2, start_method='fork', "
                             "dashboard=False).results")
         assert reply.results == ["[0, 1]"]
-        assert reply.others == [], reply.others[:3]  # no comm, no clear_output
+        kinds = {kind for kind, _ in reply.others}
+        assert kinds <= {"update_display_data"}, reply.others[:3]  # no comm, no clear_output
         assert not any("application/vnd.jupyter.widget-view+json" in d for d in reply.displays)
         if fn != "captured":  # tqdm's notebook bar, the kernel's, draws text here
-            assert "\r[rank " in reply.stderr, reply.stderr[-2000:]  # live
-            for rank in (0, 1):
-                assert f"[rank {rank}] rank{rank}: 100%|" in shown(reply.stderr)
+            ends = [line for line in reply.stderr.splitlines() if "100%|" in line]
+            assert sorted(e.split(":")[0] for e in ends) == ["[rank 0] rank0", "[rank 1] rank1"]
     html = sorted(d["text/html"] for d in reply.displays if "text/html" in d)
     assert html == ["<b>after rank 0</b>", "<b>after rank 1</b>"], reply.displays
+
+
+@pytest.mark.kernel
+def test_in_a_kernel_the_ranks_bars_are_one_display_updated_in_place(k, kernel_clean):
+    """A notebook keeps each run of stream text as one output: a line redrawn with
+    carriage returns would stay behind in it once a display or the other stream came
+    between. The live line is a display updated by its id; the stream gets each end."""
+    reply = run_cell(k, "nbtrain.launch(slow_bars, devices=2, start_method='fork', "
+                        "dashboard=False).results")
+    assert reply.results == ["[0, 1]"]
+    live = [d for d in reply.displays if d.get("text/plain", "").startswith("[rank ")]
+    assert len(live) == 1, reply.displays  # one display, made at the first redraw ...
+    updates = [c["data"]["text/plain"] for kind, c in reply.others
+               if kind == "update_display_data"]
+    assert any("[rank 0] rank0:" in u and "[rank 1] rank1:" in u for u in updates), updates
+    assert updates[-1] == ""  # ... empty once the bars ended
+    assert len(updates) < 40, len(updates)  # at most 5 redraws a second, not one per redraw
+    assert "\r" not in reply.stderr
+    ends = [line for line in reply.stderr.splitlines() if "%|" in line]
+    assert sorted(e.split(":")[0] for e in ends) == ["[rank 0] rank0", "[rank 1] rank1"], ends
 
 
 @pytest.mark.kernel

@@ -13,8 +13,9 @@ import threading
 import time
 from typing import Any
 
-from ..cells import CellOutput, busy_while_blocking
+from ..cells import busy_while_blocking
 from ..errors import RunTimeoutError, places_of, where_text
+from ..output import CellOutput
 from ..wire import Command, DropGroup, Regroup, encode_command
 from .launcher import interrupts_deferred
 from .links import links

@@ -6,7 +6,7 @@ publish through the kernel's session, which refuses to send from another process
 (ipykernel logs "attempted to send message from fork" and drops the message: nothing
 shows). Here the session's ``send`` writes a display, or an update of one, as one record
 (``display_record.DISPLAY_MARK``) on the rank's stdout, in order with its prints; the
-kernel publishes it in the cell that launched (``cells.CellOutput``).
+kernel publishes it in the cell that launched (``output.CellOutput``).
 
 Widgets are not passed on: their comms live in the rank, so the kernel could show them
 but not keep them (a page reload, nbclient's Output-widget emulation), and an Output
