@@ -50,9 +50,12 @@ class CellOutput:
                 self._show_live()
         else:
             self._erase()
-            self._live.pop((rank, stream), None)
+            ended = self._live.pop((rank, stream), None) is not None  # its last state
             self._put(stream, f"[rank {rank}] {line}\n")
-            self._draw()
+            if ended:
+                self._show_live()
+            else:
+                self._draw()
 
     def display(self, rank: int, record: str) -> None:
         try:

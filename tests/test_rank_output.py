@@ -82,6 +82,15 @@ def test_in_a_terminal_every_ranks_live_bar_shares_one_line_below_the_lines():
     assert "\r[rank 0]  10%|#   [rank 1]  50%|#####" in out.streams["err"].getvalue()
 
 
+def test_a_bar_whose_rank_ended_mid_bar_leaves_the_live_line():
+    out = CellOutput()
+    out.streams = {"out": Terminal(), "err": Terminal()}
+    out.write(0, "err-live", " 10%|#")
+    out.write(0, "err", " 10%|#")  # the rank died: its unended line comes as a line
+    assert shown(out.streams["err"].getvalue()).split("\n") == ["[rank 0]  10%|#", ""]
+    assert out._live == {} and out._shown == ""
+
+
 def test_in_a_file_only_the_bars_last_line_is_written():
     out = CellOutput()
     out.streams = {"out": io.StringIO(), "err": io.StringIO()}
@@ -243,16 +252,25 @@ def test_in_a_kernel_the_ranks_bars_are_one_display_updated_in_place(k, kernel_c
 
 
 @pytest.mark.kernel
-def test_a_pool_cells_display_shows_in_that_cell(k, kernel_clean):
+def test_a_pool_cells_displays_and_bars_show_in_that_cell(k, kernel_clean):
     run_cell(k, "%load_ext nbtrain\npool = nbtrain.RankPool(devices=2)")
     try:
         reply = run_cell(k, """
             %%ranks
+            import time
             from IPython.display import display, Markdown
+            from tqdm import tqdm
             display(Markdown(f"**rank {rank}**"))
+            for _ in tqdm(range(20), desc=f"rank{rank}", mininterval=0):
+                time.sleep(0.03)
         """)
-        assert sorted(d.get("text/markdown") for d in reply.displays) == \
-            ["**rank 0**", "**rank 1**"], reply.displays
+        assert sorted(d.get("text/markdown") for d in reply.displays if "text/markdown" in d) \
+            == ["**rank 0**", "**rank 1**"], reply.displays
+        updates = [c["data"]["text/plain"] for kind, c in reply.others
+                   if kind == "update_display_data"]  # the bars, live in this cell
+        assert any("rank0:" in u for u in updates) and updates[-1] == "", updates
+        ends = [line for line in reply.stderr.splitlines() if "%|" in line]
+        assert sorted(e.split(":")[0] for e in ends) == ["[rank 0] rank0", "[rank 1] rank1"]
     finally:
         run_cell(k, "pool.close()")
 

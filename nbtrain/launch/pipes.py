@@ -23,8 +23,11 @@ class PipeText:
         self.live: str | None = None  # its last redraw); what it showed as reported
 
     def feed(self, data: bytes) -> list[tuple[str, str]]:
-        items: list[tuple[str, str]] = []
         text = self.partial + self._decode(data)  # a character split between reads waits
+        if "\r" not in text and DISPLAY_MARK not in text and self.live is None:
+            *lines, self.partial = text.split("\n")  # plain lines: the common case
+            return [(self.stream, line) for line in lines]
+        items: list[tuple[str, str]] = []
         start = 0
         pending = ""  # a line's start, before a record that stood in it
         while (end := text.find("\n", start)) >= 0:

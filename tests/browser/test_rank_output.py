@@ -42,7 +42,7 @@ def _text(page, index: int) -> dict:
     }""", index)
 
 
-def test_bars_are_one_live_line_and_displays_update_in_jupyterlab(no_leftovers, tmp_path):
+def test_bars_show_live_in_one_display_and_displays_update_in_jupyterlab(no_leftovers, tmp_path):
     lab.write_notebook(tmp_path / "bars.ipynb", CELLS)
     with lab.server(tmp_path, "bars.ipynb") as url, lab.browser() as page:
         lab.open_notebook(page, url)
