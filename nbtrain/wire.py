@@ -282,6 +282,7 @@ def decode_store(message: bytes) -> StorePort:
         raise ValueError(f"not a store message: {message[:40]!r}")
     return StorePort(int(message[1:]))
 
+
 def _json(message: bytes, tag: bytes) -> Any:
     if message[:1] != tag:
         raise ValueError(f"expected a {tag.decode()!r} message, got {message[:40]!r}")

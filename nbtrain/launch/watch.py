@@ -386,4 +386,3 @@ def kill_group(pid: int, sig: int) -> None:
     if alive:
         with contextlib.suppress(OSError):
             os.kill(pid, sig)
-
