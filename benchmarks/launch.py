@@ -39,9 +39,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -220,6 +223,26 @@ def measure(kernel: Kernel, fail: bool, timeout: float) -> float:
     return value(kernel, f"measure({fail})", timeout=timeout)
 
 
+class CutOff(Exception):
+    """SIGTERM (``timeout`` in .ci/gpu): stop measuring, print what was measured."""
+
+
+def _cut_off(signum, frame):
+    raise CutOff
+
+
+def cell(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values):6.3f}s [{min(values):.3f}-{max(values):.3f}]"
+
+
+def ratio(values: list[float], base: list[float]) -> str:
+    if not values or not base:
+        return "-"
+    return f"{statistics.median(values) / statistics.median(base):5.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=None,
@@ -243,7 +266,19 @@ def main() -> None:
     n = args.devices or (2 if args.accelerator == "cpu" else min(2, torch.cuda.device_count()))
     where = f"ACC = {args.accelerator!r}; DEVICES = {n}; FAIL_RANK = {n - 1}\n"
     codes = {name: where + code for name, code in contenders(args.accelerator).items()}
-    kernels = {name: Kernel(startup=textwrap.dedent(COMMON)) for name in codes}
+    began = time.monotonic()
+    signal.signal(signal.SIGTERM, _cut_off)
+
+    def say(line: str) -> None:
+        print(f"[{time.monotonic() - began:6.1f}s] {line}", file=sys.stderr, flush=True)
+
+    # Started side by side (each imports torch: seconds on a GPU machine, one after the
+    # other a third of .ci/gpu's time for this table); measured one at a time below.
+    with ThreadPoolExecutor(len(codes)) as pool:
+        started = {name: pool.submit(Kernel, startup=textwrap.dedent(COMMON))
+                   for name in codes}
+    kernels = {name: future.result() for name, future in started.items()}
+    say(f"{len(kernels)} kernels started")
     # Another library's launch that never returned, or failed unasked (its ranks can abort
     # at exit: gloo's teardown): what happened. Its row says so instead of numbers.
     hung: dict[str, str] = {}
@@ -255,7 +290,7 @@ def main() -> None:
         which = "call->error" if fail else "call->step"
         try:
             seconds = measure(kernel, fail, args.timeout)
-            print(f"  {name}: {which} {seconds:.3f}s", file=sys.stderr, flush=True)
+            say(f"{name}: {which} {seconds:.3f}s")
             return seconds
         except TimeoutError:
             if name.startswith("nbtrain"):
@@ -278,67 +313,70 @@ def main() -> None:
         seconds = timed(name, False, kernel)
         if seconds is not None:
             first[name].append(seconds)
-            print(f"  {name}: import {imported[name][-1]:.3f}s, first launch {seconds:.3f}s",
-                  file=sys.stderr, flush=True)
+            say(f"{name}: import {imported[name][-1]:.3f}s, first launch {seconds:.3f}s")
 
     imported = {name: [] for name in codes}
     first = {name: [] for name in codes}
     times = {name: {"step": [], "error": []} for name in codes}
+    cut = None
     try:
-        for name, kernel in kernels.items():
-            fresh(name, kernel)
-        for _ in range(args.repeats):
-            for name in kernels:
-                for kind, fail in (("step", False), ("error", True)):
-                    seconds = timed(name, fail)
-                    if seconds is not None:
-                        times[name][kind].append(seconds)
+        try:
+            for name, kernel in kernels.items():
+                fresh(name, kernel)
+            for _ in range(args.repeats):
+                for name in kernels:
+                    for kind, fail in (("step", False), ("error", True)):
+                        seconds = timed(name, fail)
+                        if seconds is not None:
+                            times[name][kind].append(seconds)
+            for name, kernel in kernels.items():
+                if name not in hung:
+                    kernel.shutdown()
+            kernels.clear()
+            # More fresh kernels, one at a time, for the median of import + first launch.
+            for _ in range(args.fresh - 1):
+                for name in codes:
+                    if name in hung:
+                        continue
+                    kernels[name] = Kernel(startup=textwrap.dedent(COMMON))
+                    fresh(name, kernels[name])
+                    kernels.pop(name).shutdown()
+        except CutOff:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the table first, then the rest
+            cut = time.monotonic() - began
+        table(args, n, codes, hung, imported, first, times, cut)
     finally:
         for name, kernel in kernels.items():
             if name not in hung:
                 kernel.shutdown()
-    # More fresh kernels, one at a time, for the median of import + first launch.
-    for _ in range(args.fresh - 1):
-        for name in codes:
-            if name in hung:
-                continue
-            kernel = Kernel(startup=textwrap.dedent(COMMON))
-            try:
-                fresh(name, kernel)
-            finally:
-                if name not in hung:
-                    kernel.shutdown()
-    for name in codes:
-        times[name]["sum"] = [i + f for i, f in zip(imported[name], first[name], strict=True)]
-    med = {name: {k: statistics.median(v) for k, v in t.items()}
-           for name, t in times.items() if name not in hung}
-    base = BASE if BASE in med else "nbtrain (default)"
+
+
+def table(args, n, codes, hung, imported, first, times, cut) -> None:
+    for name in codes:  # a cut-off can leave an import without its first launch
+        times[name]["sum"] = [i + f for i, f in zip(imported[name], first[name], strict=False)]
+    base = BASE if times.get(BASE, {}).get("sum") else "nbtrain (default)"
     ranks = (f"{n} ranks on CPU (gloo)" if args.accelerator == "cpu" else
              f"{n} x {torch.cuda.get_device_name(0)} (NCCL)")
     print(f"\nIn a Jupyter kernel each: {ranks}, 0.92M-parameter MLP + AdamW, "
           f"defaults on; {os.cpu_count()} cores, torch {torch.__version__}; "
           f"median [lowest-highest] of {args.repeats} (import + first launch: of "
           f"{args.fresh}, each in a new kernel); ratios of medians to {base}")
+    if cut is not None:
+        print(f"(cut off after {cut:.0f} s: what was measured by then; - where nothing was)")
     print(f"{'launcher':29s} {'import':>7s} {'first':>7s} {'import + first launch':>22s} "
           f"{'ratio':>5s} {'call->step':>22s} {'ratio':>5s} {'call->error':>22s} {'ratio':>5s}")
-
-    def cell(values: list[float]) -> str:
-        return (f"{statistics.median(values):6.3f}s "
-                f"[{min(values):.3f}-{max(values):.3f}]")
-
     for name in codes:
         if name in hung:
             print(f"{name:29s} {hung[name]} (its kernel and ranks ended; no numbers)")
             continue
-        row = f"{name:29s} {statistics.median(imported[name]):6.3f}s " \
-              f"{statistics.median(first[name]):6.3f}s"
+        row = f"{name:29s} {cell(imported[name])[:7]:>7s} {cell(first[name])[:7]:>7s}"
         for kind in ("sum", "step", "error"):
             row += (f" {cell(times[name][kind]):>22s} "
-                    f"{med[name][kind] / med[base][kind]:5.2f}")
+                    f"{ratio(times[name][kind], times[base][kind]):>5s}")
         print(row)
-    if "nbtrain after CUDA" in med:
-        after = med["nbtrain after CUDA"]["step"] / med["nbtrain (default)"]["step"]
-        print(f"after CUDA, warm call->step: {after:.2f}x the fork path")
+    if "nbtrain after CUDA" in codes and times["nbtrain after CUDA"]["step"]:
+        after = ratio(times["nbtrain after CUDA"]["step"], times["nbtrain (default)"]["step"])
+        print(f"after CUDA, warm call->step: {after.strip()}x the fork path")
     if "nbtrain pool" in codes:
         print("(the pool's first launch includes starting the pool)")
     if n == 1 and "accelerate notebook_launcher" in codes:
@@ -347,7 +385,6 @@ def main() -> None:
     missing = [n for n in ("lightning", "accelerate") if not _available(n)]
     if missing:
         print(f"(not installed, skipped: {', '.join(missing)}; pip install -e \".[dev]\")")
-
 
 if __name__ == "__main__":
     main()

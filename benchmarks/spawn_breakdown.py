@@ -88,7 +88,9 @@ IMPORTS = """
 import json, time
 stages = [("torch", "import torch"),
           ("multiprocess and dill (spawn's machinery)", "import multiprocess, dill"),
-          ("nbtrain (worker side)", "import nbtrain.rank.worker, nbtrain.context")]
+          ("nbtrain (worker side)", "import nbtrain.rank.worker, nbtrain.context"),
+          ("torch._dynamo (a fork's first launch imports it in the kernel)",
+           "import torch._dynamo")]
 seconds = {}
 for name, code in stages:
     start = time.perf_counter()
@@ -109,6 +111,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--methods", nargs="+", choices=("fork", "spawn"),
+                        default=["fork", "spawn"], help="start methods to time (on a GPU "
+                        "a spawned launch takes seconds: --methods fork to leave it out)")
     parser.add_argument("--devices", type=int, default=None,
                         help="ranks (default: 2 on CPU, up to 2 GPUs on cuda)")
     args = parser.parse_args()
@@ -118,20 +123,24 @@ def main() -> None:
         parser.error("--accelerator cuda: this machine shows no GPU")
     n = args.devices or (2 if args.accelerator == "cpu" else min(2, torch.cuda.device_count()))
     kernel = Kernel(startup=f"ACC = {args.accelerator!r}; DEVICES = {n}")
-    phases: dict[str, dict[str, list[float]]] = {"fork": {}, "spawn": {}}
+    phases: dict[str, dict[str, list[float]]] = {m: {} for m in args.methods}
+    first: dict[str, dict[str, float]] = {}
+
+    def measure(method: str) -> dict[str, float]:
+        reply = kernel.run(f"print(json.dumps(measure({method!r})))", timeout=600)
+        if reply.error:
+            raise RuntimeError(f"{method}: {reply.error['ename']}: {reply.error['evalue']}")
+        return json.loads(reply.stdout.strip().splitlines()[-1])
+
     try:
         reply = kernel.run(textwrap.dedent(CELL))
         if reply.error:
             raise RuntimeError(f"{reply.error['ename']}: {reply.error['evalue']}")
-        for method in phases:  # a kernel's first launch of each kind pays once; not counted
-            kernel.run(f"measure({method!r})", timeout=600)
+        for method in phases:  # a kernel's first launch of each kind pays once: shown apart
+            first[method] = measure(method)
         for _ in range(args.repeats):
             for method, rows in phases.items():
-                reply = kernel.run(f"print(json.dumps(measure({method!r})))", timeout=600)
-                if reply.error:
-                    raise RuntimeError(f"{method}: {reply.error['ename']}: "
-                                       f"{reply.error['evalue']}")
-                for name, seconds in json.loads(reply.stdout.strip().splitlines()[-1]).items():
+                for name, seconds in measure(method).items():
                     rows.setdefault(name, []).append(seconds)
     finally:
         kernel.shutdown()
@@ -141,10 +150,19 @@ def main() -> None:
     print(f"\nIn a Jupyter kernel: {ranks}, 0.92M-parameter MLP + AdamW, defaults on; "
           f"{os.cpu_count()} cores, torch {torch.__version__}; rank 0, median of "
           f"{args.repeats} later launches")
-    print(f"{'phase':36s} {'fork':>8s} {'spawn':>8s} {'spawn - fork':>13s}")
-    for name in phases["spawn"]:
-        fork, spawn = (statistics.median(phases[m][name]) for m in ("fork", "spawn"))
-        print(f"{name:36s} {fork:7.3f}s {spawn:7.3f}s {spawn - fork:12.3f}s")
+    heads = [f"first {m}" for m in phases] + list(phases)
+    both = len(phases) == 2
+    print(f"{'phase':36s} " + " ".join(f"{h:>11s}" for h in heads)
+          + (f" {'spawn - fork':>13s}" if both else ""))
+    for name in first[args.methods[0]]:
+        values = [first[m][name] for m in phases]
+        values += [statistics.median(phases[m][name]) for m in phases]
+        row = f"{name:36s} " + " ".join(f"{v:10.3f}s" for v in values)
+        if both:
+            row += f" {values[-1] - values[-2]:12.3f}s"
+        print(row)
+    print("(first: the kernel's first launch of that kind, in a new kernel; the others: "
+          "the median of the later launches)")
     print(f"\nThe imports alone, in a new interpreter, one after the other (median of "
           f"{args.repeats}; in a launch every worker imports at once):")
     for name, seconds in imports.items():

@@ -59,3 +59,16 @@ def test_benchmark_runs_with_its_smallest_arguments(name, no_leftovers):
                           executable="/bin/bash")
     assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert expected in done.stdout, done.stdout[-3000:]
+
+
+def test_a_launch_table_cut_off_by_its_time_cap_still_prints_what_was_measured(no_leftovers):
+    """`.ci/gpu all` runs launch.py under `timeout`: at its SIGTERM the benchmark prints the
+    rows it has (a dash where nothing was measured), ends its kernels and their ranks."""
+    command = f"timeout -s TERM 25 {LINES['launch.py']} --repeats 50"
+    done = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          executable="/bin/bash")
+    assert done.returncode == 124, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert re.search(r"^\(cut off after \d+ s", done.stdout, re.M), done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith("nbtrain (default)")]
+    assert len(rows) == 1 and re.search(r"\d\.\d{3}s", rows[0]), done.stdout
