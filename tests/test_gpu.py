@@ -6,10 +6,12 @@ it went."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -463,24 +465,45 @@ def test_sync_batchnorm_normalises_with_the_whole_batch():
                                    msg=name)
 
 
-@pytest.mark.parametrize("library", ["transformers", "accelerate", "lightning"])
-def test_code_written_for_torchrun_runs_on_nccl_after_importing_a_framework(library):
+FRAMEWORKS = ("transformers", "accelerate", "lightning")
+
+
+def launch_after_importing(library: str, n: int, workload: str = "torchrun_style_cuda",
+                           accelerator: str = "cuda"):
+    """A fresh kernel imports ``library``, then launches ``workload`` (workloads.py);
+    the cell's reply."""
+    kernel = Kernel(startup=f"import {library}, torch, nbtrain\nfrom workloads import "
+                            f"{workload}")
+    try:
+        return kernel.run(f"run = nbtrain.launch({workload}, devices={n}, "
+                          f"accelerator={accelerator!r})\nprint(run.start_method, "
+                          "run.results, torch.cuda.is_initialized())", timeout=300)
+    finally:
+        kernel.shutdown()
+
+
+@pytest.fixture(scope="module")
+def after_frameworks():
+    """Each framework's kernel and launch, side by side: their imports and first launches
+    take seconds each on a GPU machine, 41 s of `.ci/gpu all`'s 8 minutes one after
+    another. Futures: a kernel that failed raises in its own test."""
+    have = [lib for lib in FRAMEWORKS if importlib.util.find_spec(lib) is not None]
+    with ThreadPoolExecutor(max(1, len(have))) as pool:
+        return {lib: pool.submit(launch_after_importing, lib, _ranks()) for lib in have}
+
+
+@pytest.mark.parametrize("library", FRAMEWORKS)
+def test_code_written_for_torchrun_runs_on_nccl_after_importing_a_framework(
+        library, after_frameworks):
     """In a fresh kernel: importing the framework must not initialise CUDA (that would
     force spawn, or make notebook_launcher refuse), and a tutorial-style NCCL function
     runs unchanged."""
     pytest.importorskip(library)
     n = _ranks()
-    kernel = Kernel(startup=f"import {library}, torch, nbtrain\nfrom workloads import "
-                            "torchrun_style_cuda")
-    try:
-        reply = kernel.run(f"run = nbtrain.launch(torchrun_style_cuda, devices={n}, "
-                           "accelerator='cuda')\nprint(run.start_method, run.results, "
-                           "torch.cuda.is_initialized())", timeout=300)
-        assert reply.error is None, reply.error
-        expected = [(r, n, f"cuda:{r}") for r in range(n)]
-        assert f"fork {expected} False" in reply.stdout, reply.stdout
-    finally:
-        kernel.shutdown()
+    reply = after_frameworks[library].result()
+    assert reply.error is None, reply.error
+    expected = [(r, n, f"cuda:{r}") for r in range(n)]
+    assert f"fork {expected} False" in reply.stdout, reply.stdout
 
 
 @pytest.mark.parametrize("strategy", ["deepspeed_stage_3", "deepspeed_stage_2_offload"])
