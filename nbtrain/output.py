@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import threading
 import time
 import uuid
 
@@ -23,7 +24,8 @@ from .display_record import decode_display
 
 
 class CellOutput:
-    REDRAW_S = 0.2  # the live line is redrawn at most this often
+    REDRAW_S = 0.2  # the live line is redrawn at most this often (a redraw that came
+    # sooner shows once this has passed, whether or not anything follows it)
 
     def __init__(self):
         self.streams = {"out": sys.stdout, "err": sys.stderr}
@@ -33,11 +35,17 @@ class CellOutput:
         self._shown_at = 0.0
         self._display_id: str | None = None  # the live line's display, once made
         self._drawn: tuple[str, int] | None = None  # in a terminal: its stream, length
+        self._lock = threading.RLock()  # the reading thread, and a redraw that waited
+        self._due: threading.Timer | None = None  # that redraw, once one is waiting
 
     def write(self, rank: int, stream: str, line: str) -> None:
         """``stream``: ``"out"``/``"err"``, a line of the rank's stdout or stderr;
         ``"display"``, a display record; ``"out-live"``/``"err-live"``, the line the rank
         redraws in place now (``""``: it ended or cleared itself)."""
+        with self._lock:
+            self._write(rank, stream, line)
+
+    def _write(self, rank: int, stream: str, line: str) -> None:
         if stream == "display":
             self.display(rank, line)
         elif stream.endswith("-live"):
@@ -48,6 +56,11 @@ class CellOutput:
                 return
             if not line or time.monotonic() - self._shown_at >= self.REDRAW_S:
                 self._show_live()
+            elif self._due is None:  # too soon: shown in its turn, whatever comes after
+                wait = self._shown_at + self.REDRAW_S - time.monotonic()
+                self._due = threading.Timer(max(0.0, wait), self._show_due)
+                self._due.daemon = True
+                self._due.start()
         else:
             self._erase()
             ended = self._live.pop((rank, stream), None) is not None  # its last state
@@ -68,6 +81,11 @@ class CellOutput:
                 self.write(rank, "out", line)
 
     # -- the live line -------------------------------------------------------------------
+    def _show_due(self) -> None:
+        with self._lock:
+            self._due = None
+            self._show_live()
+
     def _show_live(self) -> None:
         bars = [f"[rank {r}] {t}" for (r, _), t in sorted(self._live.items())]
         self._shown_at = time.monotonic()

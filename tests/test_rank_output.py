@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import sys
+import time
 
 import pytest
 
@@ -89,6 +90,21 @@ def test_a_bar_whose_rank_ended_mid_bar_leaves_the_live_line():
     out.write(0, "err", " 10%|#")  # the rank died: its unended line comes as a line
     assert shown(out.streams["err"].getvalue()).split("\n") == ["[rank 0]  10%|#", ""]
     assert out._live == {} and out._shown == ""
+
+
+def test_a_redraw_that_came_too_soon_shows_in_its_turn_though_nothing_follows():
+    """A bar's last redraw before a long step (an evaluation) shows within REDRAW_S, not
+    at the next output."""
+    out = CellOutput()
+    out.streams = {"out": Terminal(), "err": Terminal()}
+    out.write(0, "err-live", " 1/10")  # shown at once
+    out.write(0, "err-live", " 2/10")  # too soon after it
+    assert shown(out.streams["err"].getvalue()) == "[rank 0]  1/10"
+    deadline = time.monotonic() + 5
+    while shown(out.streams["err"].getvalue()) != "[rank 0]  2/10":
+        assert time.monotonic() < deadline, out.streams["err"].getvalue()
+        time.sleep(0.02)
+    assert out._due is None
 
 
 def test_in_a_file_only_the_bars_last_line_is_written():
