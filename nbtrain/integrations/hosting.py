@@ -18,7 +18,10 @@ runs in a worker (``hosted``), nbtrain makes them work, and restores everything 
   environment"): the worker is not interactive, so ``sys.ps1`` goes and Lightning's
   ``_IS_INTERACTIVE`` reads False. accelerate's shared state copied from the kernel (a
   loop tried there first) would make every rank train alone at world size 1: it is
-  reset, so accelerate sets itself up again from the rank's environment.
+  reset, so accelerate sets itself up again from the rank's environment. A kernel that
+  imported transformers' ``Trainer`` gave every rank its notebook progress table (the
+  choice is made at that import): only rank 0 draws it, the others take the terminal's
+  progress callback, which draws on the world's process zero only.
 - **The dashboard without a line of the function changed** (``observe``): steps from
   every optimizer step (torch's global step hook), memory by category from the
   optimizers' parameters, gradients and state, and the loss as the value
@@ -48,6 +51,7 @@ def hosted(fn, ctx, observe_steps: bool):
     try:
         _own_process_group(fn, ctx, undo)
         _not_interactive(undo)
+        _one_progress_table(ctx.rank, undo)
         _reset_accelerate()
         steps = [0]
 
@@ -152,6 +156,17 @@ def _not_interactive(undo: list) -> None:
                 and getattr(module, "_IS_INTERACTIVE", False) is True):
             module._IS_INTERACTIVE = False
             undo.append(lambda m=module: setattr(m, "_IS_INTERACTIVE", True))
+
+
+def _one_progress_table(rank: int, undo: list) -> None:
+    trainer = sys.modules.get("transformers.trainer")
+    chosen = getattr(trainer, "DEFAULT_PROGRESS_CALLBACK", None)
+    if rank == 0 or getattr(chosen, "__name__", "") != "NotebookProgressCallback":
+        return
+    from transformers.trainer_callback import ProgressCallback
+
+    trainer.DEFAULT_PROGRESS_CALLBACK = ProgressCallback
+    undo.append(lambda: setattr(trainer, "DEFAULT_PROGRESS_CALLBACK", chosen))
 
 
 def _reset_accelerate() -> None:
