@@ -87,6 +87,9 @@ class CellOutput:
             self._show_live()
 
     def _show_live(self) -> None:
+        if self._due is not None:  # what it waited to show shows now
+            self._due.cancel()
+            self._due = None
         bars = [f"[rank {r}] {t}" for (r, _), t in sorted(self._live.items())]
         self._shown_at = time.monotonic()
         kernel = self.parent is not None and current_kernel() is not None

@@ -106,6 +106,10 @@ def test_a_redraw_that_came_too_soon_shows_in_its_turn_though_nothing_follows():
         assert time.monotonic() < deadline, out.streams["err"].getvalue()
         time.sleep(0.02)
     assert out._due is None
+    out.write(0, "err-live", " 3/10")  # waits its turn again ...
+    waiting = out._due
+    out.write(0, "err", "10/10")  # ... but the bar ends first: nothing is left waiting
+    assert out._due is None and waiting.finished.is_set()
 
 
 def test_in_a_file_only_the_bars_last_line_is_written():
