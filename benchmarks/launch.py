@@ -231,10 +231,14 @@ def _cut_off(signum, frame):
     raise CutOff
 
 
+def median(values: list[float]) -> str:
+    return f"{statistics.median(values):6.3f}s" if values else "-"
+
+
 def cell(values: list[float]) -> str:
     if not values:
         return "-"
-    return f"{statistics.median(values):6.3f}s [{min(values):.3f}-{max(values):.3f}]"
+    return f"{median(values)} [{min(values):.3f}-{max(values):.3f}]"
 
 
 def ratio(values: list[float], base: list[float]) -> str:
@@ -369,7 +373,7 @@ def table(args, n, codes, hung, imported, first, times, cut) -> None:
         if name in hung:
             print(f"{name:29s} {hung[name]} (its kernel and ranks ended; no numbers)")
             continue
-        row = f"{name:29s} {cell(imported[name])[:7]:>7s} {cell(first[name])[:7]:>7s}"
+        row = f"{name:29s} {median(imported[name]):>7s} {median(first[name]):>7s}"
         for kind in ("sum", "step", "error"):
             row += (f" {cell(times[name][kind]):>22s} "
                     f"{ratio(times[name][kind], times[base][kind]):>5s}")
@@ -385,6 +389,7 @@ def table(args, n, codes, hung, imported, first, times, cut) -> None:
     missing = [n for n in ("lightning", "accelerate") if not _available(n)]
     if missing:
         print(f"(not installed, skipped: {', '.join(missing)}; pip install -e \".[dev]\")")
+
 
 if __name__ == "__main__":
     main()
