@@ -16,6 +16,7 @@ from typing import Any
 from .cells import busy_while_blocking
 from .errors import RunStoppedError, RunTimeoutError, WorkerError, cell_names, places_of, where_text
 from .output import CellOutput
+from .questions import answer_waiting
 from .restarts import Attempt, history_text, retry_cause
 from .telemetry.events import Checkpoint, Event, Lifecycle, Output, Restart
 from .telemetry.history import History
@@ -193,6 +194,7 @@ class Run:
         try:
             with busy_while_blocking():
                 while not self._done.wait(0.1):
+                    answer_waiting()  # a rank's input(), a debugger's prompt
                     if deadline is not None and time.monotonic() >= deadline:
                         raise TimeoutError(f"the run is still going after {timeout:g}s "
                                            f"(status: {self._status}); run.stop() ends it.")

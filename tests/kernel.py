@@ -25,6 +25,7 @@ class Reply:
     others: list = field(default_factory=list)
     seconds: float = 0.0
     execution_count: int | None = None  # the cell's In[N], as the frontend shows it
+    prompts: list = field(default_factory=list)  # what input requests asked, in order
 
     @property
     def ename(self) -> str | None:
@@ -80,12 +81,15 @@ class Kernel:
     def pid(self) -> int:
         return self.km.provisioner.process.pid
 
-    def submit(self, code: str) -> str:
-        return self.kc.execute(textwrap.dedent(code))
+    def submit(self, code: str, allow_stdin: bool = True) -> str:
+        return self.kc.execute(textwrap.dedent(code), allow_stdin=allow_stdin)
 
-    def collect(self, msg_id: str, timeout: float = 180, until: str | None = None) -> Reply:
+    def collect(self, msg_id: str, timeout: float = 180, until: str | None = None,
+                answers=None) -> Reply:
         """Read the cell's messages until it is idle (or, with ``until``, until its stdout
-        contains that text; call again to go on)."""
+        contains that text; call again to go on). ``answers``: what a person types in
+        the input boxes the cell asks for, in turn, or a function of each prompt (the
+        prompts go to ``prompts``)."""
         reply = self._replies.setdefault(msg_id, Reply())
         start = time.monotonic()
         deadline = start + timeout
@@ -96,8 +100,10 @@ class Kernel:
             if left <= 0:
                 raise TimeoutError(f"no idle from the kernel within {timeout}s; got {reply}"
                                    f"\n\nPython stacks at the timeout:\n{self.stacks()}")
+            if answers is not None:
+                self._answer(reply, answers)
             try:
-                msg = self.kc.get_iopub_msg(timeout=left)
+                msg = self.kc.get_iopub_msg(timeout=left if answers is None else min(left, 0.05))
             except Empty:
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
@@ -129,10 +135,22 @@ class Kernel:
                     raise AssertionError(f"the cell ended before printing {until!r}: {reply}")
                 return reply
 
-    def run(self, code: str, timeout: float = 180) -> Reply:
+    def _answer(self, reply: Reply, answers) -> None:
+        try:
+            msg = self.kc.get_stdin_msg(timeout=0)
+        except Empty:
+            return
+        if msg["msg_type"] == "input_request":
+            prompt = msg["content"]["prompt"]
+            reply.prompts.append(prompt)
+            self.kc.input(answers(prompt) if callable(answers) else answers.pop(0) if answers
+                          else "")
+
+    def run(self, code: str, timeout: float = 180, answers=None,
+            allow_stdin: bool = True) -> Reply:
         for _ in range(5):
-            msg_id = self.submit(code)
-            reply = self.collect(msg_id, timeout)
+            msg_id = self.submit(code, allow_stdin)
+            reply = self.collect(msg_id, timeout, answers=answers)
             if not self._aborted(msg_id):
                 return reply
             # ipykernel 6 (Colab's, Kaggle's) aborts a request that arrives in the moment

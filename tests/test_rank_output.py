@@ -328,3 +328,39 @@ def test_a_transformers_trainer_shows_one_notebook_table_rank_0s(k, kernel_clean
     assert bars == [], bars  # nor a text bar of rank 1's own
     last = [c["data"]["text/html"] for kind, c in reply.others if kind == "update_display_data"]
     assert any("value='3' max='3'" in t for t in last), last[-1:]
+
+
+@pytest.mark.kernel
+def test_a_ranks_breakpoint_is_a_debugger_in_the_launch_cells_input_box(k, kernel_clean):
+    """In a kernel, a rank's breakpoint() was the kernel's (debugpy's: nothing happened)
+    and its input() waited forever on the kernel's socket. Now the launching cell asks
+    in its input box, labelled with the rank (test_questions.py: the same outside one)."""
+    debugger = iter(["p secret * 10", "secret = 7", "c"])
+    reply = k.run("""
+        def debugged(ctx):
+            secret = 40 + ctx.rank
+            if ctx.rank == 1:
+                breakpoint()
+            return secret, input(f"rank {ctx.rank} done? ")
+
+        nbtrain.launch(debugged, devices=2, start_method='fork', dashboard=False).results
+    """, answers=lambda prompt: prompt[1:7] if "done?" in prompt else next(debugger),
+        timeout=240)
+    assert reply.error is None, (reply.error, reply.stderr[-3000:])
+    asked = [p for p in reply.prompts if "done?" not in p]
+    assert len(asked) == 3 and all(p.startswith("[rank 1] ") for p in asked), reply.prompts
+    assert sorted(set(reply.prompts) - set(asked)) == ["[rank 0] rank 0 done? ",
+                                                       "[rank 1] rank 1 done? "]
+    assert "[rank 1] 410" in reply.stdout, reply.stdout[-2000:]  # what `p` printed
+    assert reply.results == ["[(40, 'rank 0'), (7, 'rank 1')]"]  # the assignment took
+
+
+@pytest.mark.kernel
+def test_where_the_frontend_takes_no_input_a_ranks_question_fails_it_at_once(k, kernel_clean):
+    """nbclient (papermill, nbconvert, nbval) runs cells without input: the rank fails
+    at once, saying why, instead of waiting for ever."""
+    reply = k.run("nbtrain.launch(lambda ctx: input('x? '), devices=2, start_method='fork', "
+                  "dashboard=False)", allow_stdin=False, timeout=120)
+    assert reply.ename == "WorkerError", reply.error
+    assert "asked for input and nothing could answer it" in reply.error["evalue"]
+    assert "StdinNotImplementedError" in reply.error["evalue"] + reply.stderr

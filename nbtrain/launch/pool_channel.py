@@ -16,6 +16,7 @@ from typing import Any
 from ..cells import busy_while_blocking
 from ..errors import RunTimeoutError, places_of, where_text
 from ..output import CellOutput
+from ..questions import answer_waiting
 from ..wire import Command, DropGroup, Regroup, encode_command
 from .launcher import interrupts_deferred
 from .links import links
@@ -183,7 +184,7 @@ class PoolChannel:
         try:
             with busy_while_blocking():
                 while not op.done.wait(0.05):
-                    pass
+                    answer_waiting()  # a rank's input(), a debugger's prompt
         except KeyboardInterrupt:
             self.interrupt_and_wait(op)
             raise

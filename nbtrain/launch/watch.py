@@ -16,6 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..questions import Question, post, question_in
 from ..wire import (
     ACTIVITY,
     AT_STORE,
@@ -236,6 +237,9 @@ class Watch:
             self._flush_partial(w, stream)
             return False
         for kind, line in w.pipes[stream].feed(data):
+            if kind == "display" and (asked := question_in(line)) is not None:
+                self._ask(w, *asked)
+                continue
             if kind != stream:  # a display record, a redrawn line: to the cell
                 self.emit(w.rank, kind, line)
                 continue
@@ -252,6 +256,14 @@ class Watch:
                     w.last_err.append(line)
                 self.emit(w.rank, stream, line)
         return True
+
+    def _ask(self, w: RankState, prompt: str, password: bool) -> None:
+        """The rank waits for input: the cell that waits for it asks (``questions.py``)."""
+        def reply(data: bytes) -> None:
+            w.handle.commands.send_bytes(data)
+
+        post(Question(w.rank, prompt, password, reply, lambda: w.exitcode is None),
+             notice=lambda text: self.emit(w.rank, "err", text))
 
     def _dying(self, w: RankState, line: str) -> bool:
         """Whether a stderr line is kept for a death's dump (its failure's, ``_flush_all``);

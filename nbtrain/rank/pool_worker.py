@@ -63,7 +63,7 @@ class _State:
 def main(spec: WorkerSpec, payload: Any, control, out_w, err_w, commands) -> None:
     """Entry point of a pool worker process (``payload`` is unused: functions come as
     commands). Never returns: the process exits here."""
-    run_as_worker(spec, out_w, err_w, lambda: serve(spec, commands, control))
+    run_as_worker(spec, out_w, err_w, lambda: serve(spec, commands, control), commands)
 
 
 def serve(spec: WorkerSpec, commands, control) -> None:

@@ -40,7 +40,7 @@ from ..wire import (
     encode_result,
     encode_store,
 )
-from . import displays
+from . import asking, displays
 
 
 def _bootstrap_stacks() -> None:
@@ -66,13 +66,16 @@ class CallWithoutCtx:
 
 def main(spec: WorkerSpec, payload: Any, control, out_w, err_w, commands) -> None:
     """Entry point of a worker process. Never returns: the process exits here."""
-    run_as_worker(spec, out_w, err_w, lambda: _run(spec, payload, control, commands))
+    run_as_worker(spec, out_w, err_w, lambda: _run(spec, payload, control, commands),
+                  commands)
 
 
-def run_as_worker(spec: WorkerSpec, out_w, err_w, body) -> None:
-    """Become a worker (own process group, output to the pipes), then run ``body``, which
-    reports and exits the process itself; if the reporting fails, say so and exit."""
+def run_as_worker(spec: WorkerSpec, out_w, err_w, body, commands) -> None:
+    """Become a worker (own process group, output to the pipes, its ``input`` asking the
+    kernel through ``commands``), then run ``body``, which reports and exits the process
+    itself; if the reporting fails, say so and exit."""
     _become_worker(spec, out_w, err_w)
+    asking.install(commands, spec.rank)
     try:
         body()
     except BaseException:  # the reporting itself failed; say so on stderr
