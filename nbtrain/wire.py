@@ -2,7 +2,8 @@
 
 A rank's control pipe (rank -> kernel) carries one message per ``send_bytes``: a one-byte
 tag, then its body. The kernel's command pipe (kernel -> rank) carries rank 0's ``STORE``
-message on to the other ranks, then (a ``RankPool``'s worker) its commands.
+message on to the other ranks, then (a ``RankPool``'s worker) its commands, and the
+answers to a rank's questions (``questions.ANSWER``: its ``input()``, a debugger's).
 
     tag  body                                        sent by
     P    pickle of the function's return value       every rank, last (a result)
