@@ -37,6 +37,8 @@ class WorkerSpec:
     # A worker forked by the fork server takes the kernel's environment of its launch
     # (the server holds the one of its own start); None: the process's own is right.
     environ_of_kernel: dict[str, str] | None = None
+    # sys.argv in the rank (what argparse reads); None: the process's own is right
+    argv: tuple[str, ...] | None = None
 
     def environ(self) -> dict[str, str]:
         env = {

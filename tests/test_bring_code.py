@@ -85,6 +85,48 @@ def test_a_torchrun_style_function_runs_unchanged(k, kernel_clean):
     assert "shown {0: (4, 1, 4), 1: (4, 1, 4)} None" in out, out
 
 
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_scripts_main_with_argparse_and_sys_exit_runs_as_without_arguments(
+        k, kernel_clean, start_method):
+    """A kernel's command line (``-f .../kernel-....json``) made argparse exit with 2 in
+    every rank; the ranks now see the kernel's program alone, as a script run without
+    arguments, unless a cell set ``sys.argv``; ``sys.exit(0)`` ending ``main()`` is
+    success, as under torchrun, and any other code says what to do."""
+    out = run_ok(k, f'''
+        import argparse, sys
+
+        def script_main():
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--lr", type=float, default=0.1)
+            args = parser.parse_args()
+            print("lr", args.lr)
+            sys.exit(0)
+
+        kept = list(sys.argv)
+        print("defaults", nbtrain.launch(script_main, devices=2, dashboard=False,
+                                         start_method={start_method!r}).results)
+        sys.argv = ["train.py", "--lr", "0.5"]
+        try:
+            nbtrain.launch(script_main, devices=2, dashboard=False, start_method={start_method!r})
+        finally:
+            sys.argv = kept
+
+        def strict():
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--steps", type=int, required=True)
+            return parser.parse_args().steps
+
+        try:
+            nbtrain.launch(strict, devices=2, dashboard=False, start_method={start_method!r})
+        except nbtrain.WorkerError as err:
+            print("failed", err.rank is not None, "sys.exit(2)" in str(err),
+                  "parse_args([" in str(err))
+    ''')
+    assert "defaults [None, None]" in out, out
+    assert out.count("] lr 0.1") == 2 and out.count("] lr 0.5") == 2, out
+    assert "failed True True True" in out, out
+
+
 def test_twenty_reruns_of_it_never_hang_and_leave_nothing(k, kernel_clean):
     out = run_ok(k, '''
         t = time.monotonic()

@@ -613,3 +613,18 @@ def test_a_parameter_named_like_a_launch_option_is_told_it_gets_nothing(no_lefto
         assert nbtrain.launch(train_with_seed, devices=1, accelerator="cpu",
                               dashboard=False).result == (0, None)
     assert not [w for w in caught if "own option" in str(w.message)]
+
+
+def exits(ctx, code):
+    if ctx.rank == 1:
+        sys.exit(code)
+    return ctx.rank
+
+
+def test_sys_exit_0_is_a_rank_returning_and_another_code_a_failure_that_says_what_to_do():
+    assert nbtrain.launch(exits, devices=2, code=0, dashboard=False).results == [0, None]
+    with pytest.raises(nbtrain.WorkerError) as info:
+        nbtrain.launch(exits, devices=2, code=3, dashboard=False)
+    assert info.value.rank == 1
+    assert "the function called sys.exit(3)" in str(info.value)
+    assert "raising an exception" in str(info.value)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
+import sys
 import warnings
 from typing import Any
 
@@ -27,6 +29,22 @@ from ..rank.worker import CallWithoutCtx
 from ..strategies import Strategy, get
 
 _NOT_OPTIONS = ("name", "start_method")
+
+
+def rank_argv() -> tuple[str, ...] | None:
+    """The command line the ranks' code reads (argparse, transformers' HfArgumentParser):
+    a kernel's own (``-f`` and its connection file) means nothing to it, and argparse
+    stopped there ("unrecognized arguments: -f .../kernel-....json", SystemExit: 2). In
+    a kernel the ranks see its program alone, as a script run without arguments; a
+    command line a cell set (``sys.argv = ["train.py", "--lr", "0.1"]``) stays theirs.
+    None: leave ``sys.argv`` as it is (no kernel)."""
+    app = sys.modules.get("ipykernel.kernelapp")
+    if app is None or not app.IPKernelApp.initialized():
+        return None
+    connection = os.path.basename(app.IPKernelApp.instance().connection_file or "")
+    if not connection or not any(connection in arg for arg in sys.argv[1:]):
+        return None
+    return tuple(sys.argv[:1])
 
 
 def options_of(strategy: Strategy) -> list[str]:

@@ -234,7 +234,7 @@ def rank_specs(plan, *, threads: int | None, pg_timeout: float,
         pg_timeout_s=pg_timeout, parent_pid=os.getpid(),
         die_with_parent=threading.current_thread() is threading.main_thread(),
         telemetry=telemetry or Telemetry(), resume_from=resume, seed=seed,
-        data_seed=data_seed, pool=pool)
+        data_seed=data_seed, pool=pool, argv=calls.rank_argv())
         for rank, index in enumerate(plan.indices)]
 
 

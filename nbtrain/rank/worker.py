@@ -112,6 +112,8 @@ def _become_worker(spec: WorkerSpec, out_w, err_w) -> None:
     if spec.environ_of_kernel is not None:
         os.environ.clear()
         os.environ.update(spec.environ_of_kernel)
+    if spec.argv is not None:  # not the kernel's own (launch/calls.rank_argv)
+        sys.argv[:] = spec.argv
     if spec.die_with_parent and sys.platform == "linux":
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -233,7 +235,12 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
         from ..integrations.hosting import hosted
 
         with hosted(fn, ctx, observe_steps=isinstance(fn, CallWithoutCtx)) as activity:
-            result = fn(ctx, *args, **kwargs)
+            try:
+                result = fn(ctx, *args, **kwargs)
+            except SystemExit as exc:  # a script's main() ending: success as under torchrun
+                if exc.code not in (0, None):
+                    raise
+                result = None
         ctx._close()
         if report is not None:
             report(encode_activity(Activity(**activity)))
@@ -248,6 +255,8 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
 
             if out_of_memory(exc):  # measured before anything is let go
                 hint = diagnose(ctx)
+        if isinstance(exc, SystemExit):
+            hint = exit_hint(exc)
             try:
                 ctx._close()
             except Exception:
@@ -261,6 +270,24 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
     if telemetry:
         telemetry.close()  # every event is in the kernel before the result is
     return message
+
+
+def exit_hint(exc: SystemExit) -> str:
+    """What to do about a rank's ``sys.exit(code)`` (argparse calls it too)."""
+    argparse = any(tb.tb_frame.f_code.co_filename.endswith("argparse.py")
+                   for tb in _frames(exc.__traceback__))
+    why = ("argparse did not accept the command line (its message is above); give it "
+           "its arguments: parser.parse_args([\"--lr\", \"0.1\"]), or set sys.argv in a "
+           "cell before launching" if argparse else
+           "in a notebook a function ends by returning (sys.exit(0) counts as that) or by "
+           "raising an exception that says what went wrong")
+    return f"the function called sys.exit({exc.code!r}): {why}."
+
+
+def _frames(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
 
 
 def _name(fn: Any) -> str:
