@@ -39,6 +39,7 @@ class WorkerSpec:
     environ_of_kernel: dict[str, str] | None = None
     # sys.argv in the rank (what argparse reads); None: the process's own is right
     argv: tuple[str, ...] | None = None
+    shell: bool = False  # launched from an IPython kernel: its displays go to the cell
 
     def environ(self) -> dict[str, str]:
         env = {

@@ -6,6 +6,7 @@ The kernel tests run in a real ipykernel driven by jupyter_client."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import io
 import sys
 import time
@@ -227,6 +228,37 @@ def test_a_forked_ranks_display_and_its_update_show_in_the_launch_cell(k, kernel
     assert all(u["transient"]["display_id"] for u in updates)
     assert reply.stdout.count("before") == 2 and reply.stdout.count("after") == 2
     assert "nbtrain-display" not in reply.stdout  # the records are not lines
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_a_spawned_ranks_displays_updates_and_figures_show_in_the_launch_cell(
+        k, kernel_clean, start_method):
+    """A rank that is no fork of the kernel had no shell: display() printed the text, its
+    handle was None (update() failed), a matplotlib figure read "Figure(640x480)" (the
+    fork server's ranks, what a kernel that touched CUDA launches, are such ranks)."""
+    plots = importlib.util.find_spec("matplotlib") is not None
+    reply = run_cell(k, f"""
+        def shown(ctx):
+            from IPython.display import HTML, display
+            handle = display(HTML(f"<b>rank {{ctx.rank}} at 0</b>"), display_id=True)
+            handle.update(HTML(f"<b>rank {{ctx.rank}} at 1</b>"))
+            if {plots} and ctx.rank == 0:
+                import matplotlib.pyplot as plt
+                plt.plot([1, 2, 3])
+                plt.show()
+            return type(handle).__name__
+
+        nbtrain.launch(shown, devices=2, start_method={start_method!r}, dashboard=False).results
+    """)
+    assert reply.results == ["['DisplayHandle', 'DisplayHandle']"]
+    html = sorted(d["text/html"] for d in reply.displays if "text/html" in d)
+    assert html == ["<b>rank 0 at 0</b>", "<b>rank 1 at 0</b>"], reply.displays
+    updates = [c["data"]["text/html"] for kind, c in reply.others if kind == "update_display_data"]
+    assert sorted(updates) == ["<b>rank 0 at 1</b>", "<b>rank 1 at 1</b>"]
+    assert "Figure(" not in reply.stdout and "DisplayHandle" not in reply.stdout
+    if plots:
+        assert sum("image/png" in d for d in reply.displays) == 1, reply.displays
 
 
 @pytest.mark.kernel

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .. import seeding, strategies
+from ..cells import current_kernel
 from ..run import DASHBOARDS, Run
 from ..spec import WorkerSpec
 from ..strategies import Strategy
@@ -234,7 +235,8 @@ def rank_specs(plan, *, threads: int | None, pg_timeout: float,
         pg_timeout_s=pg_timeout, parent_pid=os.getpid(),
         die_with_parent=threading.current_thread() is threading.main_thread(),
         telemetry=telemetry or Telemetry(), resume_from=resume, seed=seed,
-        data_seed=data_seed, pool=pool, argv=calls.rank_argv())
+        data_seed=data_seed, pool=pool, argv=calls.rank_argv(),
+        shell=current_kernel() is not None)
         for rank, index in enumerate(plan.indices)]
 
 

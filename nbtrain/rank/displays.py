@@ -13,8 +13,9 @@ but not keep them (a page reload, nbclient's Output-widget emulation), and an Ou
 widget's capture (rich's live display) and ``clear_output`` would reach into the cell
 nbtrain's view and the other ranks share. Their messages, and what a rank displays
 while one of its Output widgets captures, are dropped, as ipykernel dropped them; tqdm
-draws its text bar instead (``_no_widgets``). A spawned rank has no shell:
-its ``display()`` prints the text, as a script's does.
+draws its text bar instead (``_no_widgets``). A rank spawned or forked by the fork
+server for a kernel gets a plain shell of its own whose displays go the same way
+(``own_shell``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,37 @@ def forward() -> bool:
             done.add(id(session))
             session.send = _sender(session, lock, capturing)
     return bool(done)
+
+
+def own_shell() -> bool:
+    """A rank spawned (or forked by the fork server) for a kernel has no shell of its own:
+    ``display()`` printed the text, a display handle was None (its ``update`` failed), a
+    matplotlib figure read "Figure(640x480)". Give it a plain IPython shell (no history
+    file, no kernel app) whose displays are written as records, as a forked rank's are."""
+    try:
+        from IPython.core.interactiveshell import InteractiveShell
+        from traitlets.config import Config
+    except ImportError:
+        return False
+    if InteractiveShell.initialized():
+        return False
+    config = Config()
+    config.HistoryManager.enabled = False  # not the kernel's sqlite file, from every rank
+    shell = InteractiveShell.instance(config=config)
+    lock = threading.Lock()
+
+    def publish(data, metadata=None, source=None, *, transient=None, update=False, **_):
+        if WIDGET_VIEW in data:
+            return
+        content = {"data": data, "metadata": metadata or {}, "transient": transient or {}}
+        record = encode_display(Display("update_display_data" if update else "display_data",
+                                        content, metadata or {}))
+        with lock:
+            _write(record)
+
+    shell.display_pub.publish = publish
+    shell.display_pub.clear_output = lambda wait=False: None  # the cell is not the rank's
+    return True
 
 
 def _no_widgets(shell) -> None:

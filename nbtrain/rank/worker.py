@@ -132,7 +132,8 @@ def _become_worker(spec: WorkerSpec, out_w, err_w) -> None:
     sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, encoding="utf-8",
                                        errors="replace", closefd=False)
     _retarget_log_handlers(before)
-    displays.forward()  # forked from a kernel: its shell's displays go to the cell
+    if not displays.forward() and spec.shell:  # forked from a kernel: its shell's
+        displays.own_shell()  # displays go to the cell; else one of the rank's own does
     _bootstrap_stacks()
 
 
