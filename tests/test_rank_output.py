@@ -262,10 +262,12 @@ def test_a_spawned_ranks_displays_updates_and_figures_show_in_the_launch_cell(
 
 
 @pytest.mark.kernel
-def test_a_forked_ranks_widgets_and_captures_leave_the_cell_alone(k, kernel_clean):
+def test_a_forked_ranks_widgets_leave_the_cell_alone_and_an_output_widget_is_a_display(
+        k, kernel_clean):
     """A widget's comms would live in the rank; an Output widget's capture and its
     clear_output would reach into the cell the dashboard shares: none of it is passed
-    on (nbclient, which papermill and nbconvert use, failed on two ranks' captures)."""
+    on (nbclient, which papermill and nbconvert use, failed on two ranks' captures).
+    What an Output widget captures replaces a display standing in for it."""
     pytest.importorskip("tqdm")
     pytest.importorskip("ipywidgets")
     run_cell(k, "import tqdm.auto, tqdm.notebook\nBAR = tqdm.auto.tqdm\n"
@@ -281,7 +283,47 @@ def test_a_forked_ranks_widgets_and_captures_leave_the_cell_alone(k, kernel_clea
             ends = [line for line in reply.stderr.splitlines() if "100%|" in line]
             assert sorted(e.split(":")[0] for e in ends) == ["[rank 0] rank0", "[rank 1] rank1"]
     html = sorted(d["text/html"] for d in reply.displays if "text/html" in d)
-    assert html == ["<b>after rank 0</b>", "<b>after rank 1</b>"], reply.displays
+    # each rank's Output widget is a display its captures replace: the first frame,
+    # then its last as an update
+    assert html == ["<b>after rank 0</b>", "<b>after rank 1</b>", "<i>frame 0</i>",
+                    "<i>frame 0</i>"], reply.displays
+    last: dict[str, str] = {}
+    for _, content in reply.others:
+        last[content["transient"]["display_id"]] = content["data"]["text/html"]
+    assert list(last.values()) == ["<i>frame 2</i>", "<i>frame 2</i>"], reply.others
+
+
+@pytest.mark.kernel
+def test_a_rich_live_display_shows_as_one_display_per_rank_updated_in_place(k, kernel_clean):
+    """rich draws its live display (a progress bar; Lightning's default bar when rich is
+    installed) in an ipywidgets Output widget, whose capture a forked rank's cell cannot
+    hold: it showed nothing. The widget is now a display that what it captures replaces,
+    at most 5 times a second, the last state always shown."""
+    pytest.importorskip("rich")
+    reply = run_cell(k, """
+        def rich_bar(ctx):
+            import time
+            from rich.progress import track
+            for _ in track(range(40), description=f"rank {ctx.rank}"):
+                time.sleep(0.03)
+            return ctx.rank
+
+        nbtrain.launch(rich_bar, devices=2, start_method='fork', dashboard=False).results
+    """)
+    assert reply.results == ["[0, 1]"]
+    stand_ins = [d for d in reply.displays if "application/vnd.jupyter.widget-view+json" in d]
+    assert not stand_ins  # no widget reaches the cell ...
+    updates: dict[str, list[str]] = {}
+    for kind, content in reply.others:
+        if kind == "update_display_data":
+            updates.setdefault(content["transient"]["display_id"], []).append(
+                content["data"].get("text/plain", ""))
+    assert len(updates) == 2, updates.keys()  # ... a display per rank's bar, updated
+    for texts in updates.values():
+        assert "100%" in texts[-1] and len(texts) < 15, texts  # the end, throttled
+    assert sorted(next(t for t in texts if "rank" in t).split()[0] + " " +
+                  next(t for t in texts if "rank" in t).split()[1]
+                  for texts in updates.values()) == ["rank 0", "rank 1"]
 
 
 @pytest.mark.kernel

@@ -11,9 +11,10 @@ kernel publishes it in the cell that launched (``output.CellOutput``).
 Widgets are not passed on: their comms live in the rank, so the kernel could show them
 but not keep them (a page reload, nbclient's Output-widget emulation), and an Output
 widget's capture (rich's live display) and ``clear_output`` would reach into the cell
-nbtrain's view and the other ranks share. Their messages, and what a rank displays
-while one of its Output widgets captures, are dropped, as ipykernel dropped them; tqdm
-draws its text bar instead (``_no_widgets``). A rank spawned or forked by the fork
+nbtrain's view and the other ranks share. Their messages are dropped, as ipykernel
+dropped them; an Output widget is shown as a display that what it captures replaces
+(rich's live display, Lightning's default bar with rich installed, draws in one:
+``_Forwarder``); tqdm draws its text bar instead (``_no_widgets``). A rank spawned or forked by the fork
 server for a kernel gets a plain shell of its own whose displays go the same way
 (``own_shell``).
 """
@@ -23,6 +24,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
+import uuid
 
 from ..display_record import DISPLAYED, Display, encode_display
 
@@ -38,14 +41,104 @@ def forward() -> bool:
     sessions = [getattr(getattr(shell, "display_pub", None), "session", None),
                 getattr(getattr(shell, "kernel", None), "session", None)]
     _no_widgets(shell)
-    lock = threading.Lock()
-    capturing: set = set()  # the Output widgets capturing now (their comm ids)
+    forwarder = _Forwarder()
     done = set()
     for session in sessions:
         if session is not None and id(session) not in done and hasattr(session, "msg"):
             done.add(id(session))
-            session.send = _sender(session, lock, capturing)
+            session.send = forwarder.sender(session)
     return bool(done)
+
+
+def flush() -> None:
+    """What an Output widget's stand-in still waits to show, now (the rank is leaving,
+    or its pool command ends)."""
+    if _Forwarder.active is not None:
+        _Forwarder.active.flush()
+
+
+class _Forwarder:
+    """A forked rank's shell messages as records: displays and their updates as they
+    are; an Output widget (rich's live display draws in one: Lightning's default bar
+    when rich is installed) as a display standing in for it, which what the widget
+    captures replaces (at most ``REDRAW_S`` apart, the last always shown)."""
+
+    REDRAW_S = 0.2
+    active: _Forwarder | None = None
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.capturing: list[str] = []  # the Output widgets capturing now (comm ids)
+        self.stand_ins: dict[str, str] = {}  # an Output widget's comm id -> display id
+        self.shown_at: dict[str, float] = {}
+        self.waiting: dict[str, bytes] = {}  # a stand-in's update that came too soon
+        self.timer: threading.Timer | None = None
+        _Forwarder.active = self
+
+    def sender(self, session):
+        def send(stream, msg_or_type, content=None, parent=None, ident=None, buffers=None,
+                 track=False, header=None, metadata=None):
+            if isinstance(msg_or_type, dict):
+                msg = msg_or_type
+            else:
+                msg = session.msg(msg_or_type, content, parent=parent, header=header,
+                                  metadata=metadata)
+            self.take(msg["header"]["msg_type"], msg.get("content") or {},
+                      msg.get("metadata") or {})
+            return msg
+
+        return send
+
+    def take(self, kind: str, body: dict, metadata: dict) -> None:
+        if kind == "comm_msg":  # an Output widget's capture begins (its msg_id) or ends
+            state = (body.get("data") or {}).get("state") or {}
+            comm = body.get("comm_id")
+            if "msg_id" in state:
+                if state["msg_id"]:
+                    self.capturing.append(comm)
+                elif comm in self.capturing:
+                    self.capturing.remove(comm)
+        elif kind == "comm_close" or (kind == "clear_output" and not body.get("wait")):
+            comm = body.get("comm_id") if kind == "comm_close" else \
+                (self.capturing[-1] if self.capturing else None)
+            if comm in self.stand_ins:  # a closed or cleared widget shows nothing
+                self.stand_in(comm, {"data": {"text/plain": ""}, "metadata": {}})
+        elif kind in DISPLAYED and WIDGET_VIEW not in body.get("data", {}):
+            if self.capturing and kind == "display_data":
+                self.stand_in(self.capturing[-1], body)
+            else:
+                with self.lock:
+                    _write(encode_display(Display(kind, body, metadata)))
+
+    def stand_in(self, comm: str, body: dict) -> None:
+        first = comm not in self.stand_ins
+        display_id = self.stand_ins.setdefault(comm, uuid.uuid4().hex)
+        content = {"data": body.get("data", {}), "metadata": body.get("metadata", {}),
+                   "transient": {"display_id": display_id}}
+        record = encode_display(Display("display_data" if first else "update_display_data",
+                                        content, {}))
+        with self.lock:
+            now = time.monotonic()
+            if first or (now - self.shown_at.get(comm, 0.0) >= self.REDRAW_S
+                         and comm not in self.waiting):
+                self.shown_at[comm] = now
+                _write(record)
+                return
+            self.waiting[comm] = record
+            if self.timer is None:
+                self.timer = threading.Timer(self.REDRAW_S, self.flush)
+                self.timer.daemon = True
+                self.timer.start()
+
+    def flush(self) -> None:
+        with self.lock:
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+            for comm, record in self.waiting.items():
+                self.shown_at[comm] = time.monotonic()
+                _write(record)
+            self.waiting.clear()
 
 
 def own_shell() -> bool:
@@ -99,28 +192,6 @@ def _no_widgets(shell) -> None:
                 delattr(bar, name)
             except (AttributeError, TypeError):
                 pass
-
-
-def _sender(session, lock: threading.Lock, capturing: set):
-    def send(stream, msg_or_type, content=None, parent=None, ident=None, buffers=None,
-             track=False, header=None, metadata=None):
-        if isinstance(msg_or_type, dict):
-            msg = msg_or_type
-        else:
-            msg = session.msg(msg_or_type, content, parent=parent, header=header,
-                              metadata=metadata)
-        kind, body = msg["header"]["msg_type"], msg.get("content") or {}
-        if kind == "comm_msg":  # an Output widget's capture begins (its msg_id) or ends
-            state = (body.get("data") or {}).get("state") or {}
-            if "msg_id" in state:
-                (capturing.add if state["msg_id"] else capturing.discard)(body.get("comm_id"))
-        elif kind in DISPLAYED and not capturing and WIDGET_VIEW not in body.get("data", {}):
-            record = encode_display(Display(kind, body, msg.get("metadata") or {}))
-            with lock:
-                _write(record)
-        return msg
-
-    return send
 
 
 def _write(record: bytes) -> None:

@@ -51,6 +51,7 @@ from ..wire import (
     encode_result,
     encode_value,
 )
+from . import displays
 from .worker import execute, init_distributed, leave, run_as_worker
 
 MAX_REPR = 20_000  # characters of a last expression's repr sent back
@@ -113,6 +114,7 @@ def serve(spec: WorkerSpec, commands, control) -> None:
         except BaseException as exc:  # an interrupt that landed between two lines of
             reply = encode_failure(exc, spec.rank, (__file__,))  # ours, or no command
         _State.busy = False
+        displays.flush()
         for stream in (sys.stdout, sys.stderr):  # output before the reply that ends it
             try:
                 stream.flush()

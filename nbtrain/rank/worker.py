@@ -91,6 +91,7 @@ def leave(code: int) -> None:
     finished collective (seen hanging a worker forever after a DDP run). The process is
     ending; the kernel has the result, and the OS reclaims sockets and memory.
     """
+    displays.flush()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
