@@ -143,8 +143,9 @@ class Kernel:
         if msg["msg_type"] == "input_request":
             prompt = msg["content"]["prompt"]
             reply.prompts.append(prompt)
-            self.kc.input(answers(prompt) if callable(answers) else answers.pop(0) if answers
-                          else "")
+            text = answers(prompt) if callable(answers) else answers.pop(0) if answers else ""
+            if text is not None:  # None: no answer (the test interrupts instead)
+                self.kc.input(text)
 
     def run(self, code: str, timeout: float = 180, answers=None,
             allow_stdin: bool = True) -> Reply:

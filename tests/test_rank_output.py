@@ -430,6 +430,16 @@ def test_a_ranks_breakpoint_is_a_debugger_in_the_launch_cells_input_box(k, kerne
 
 
 @pytest.mark.kernel
+def test_an_interrupt_while_the_cell_asks_for_a_ranks_input_stops_the_run(k, kernel_clean):
+    reply = k.run("nbtrain.launch(lambda ctx: input('x? '), devices=2, start_method='fork', "
+                  "dashboard=False)", answers=lambda prompt: k.interrupt_group(), timeout=120)
+    assert reply.ename == "KeyboardInterrupt", reply.error
+    assert "the run was stopped" in reply.error["evalue"]
+    assert reply.prompts and reply.prompts[0].endswith("] x? ")
+    assert k.value("nbtrain.last_run().status") == "stopped"
+
+
+@pytest.mark.kernel
 def test_where_the_frontend_takes_no_input_a_ranks_question_fails_it_at_once(k, kernel_clean):
     """nbclient (papermill, nbconvert, nbval) runs cells without input: the rank fails
     at once, saying why, instead of waiting for ever."""
