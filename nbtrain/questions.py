@@ -22,6 +22,7 @@ from __future__ import annotations
 import builtins
 import collections
 import dataclasses
+import getpass
 import json
 import threading
 import time
@@ -136,13 +137,8 @@ def answer_waiting() -> None:
         prompt = f"[rank {question.rank}] {question.prompt}"
         _serving.asking = True
         try:
-            if question.password:
-                import getpass
-
-                text = getpass.getpass(prompt)
-            else:
-                text = builtins.input(prompt)
-            answer = Answer(text)
+            ask = getpass.getpass if question.password else builtins.input
+            answer = Answer(ask(prompt))
         except KeyboardInterrupt:
             with _lock:
                 _waiting.appendleft(question)
