@@ -226,3 +226,45 @@ def test_the_summary_shows_the_bytes_a_step_really_moves():
                             bytes={"all_reduce": size}))
     text = str(summarize(history, 1))
     assert "20.50 MB in 1.5 calls" in text, text  # it read "2 × 13.67 MB"
+
+
+def trains_then_fails(ctx):
+    import torch
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ctx.setup(model, opt)
+    for _ in range(3):  # no ctx.dataloader: each optimizer step is a step
+        ctx.backward(torch.nn.functional.mse_loss(model(torch.randn(4, 4)), torch.randn(4, 1)))
+        opt.step()
+        opt.zero_grad()
+    if ctx.rank == 0:
+        raise ValueError("after training")
+
+
+def test_a_failing_rank_still_sends_its_last_step():
+    """The last step is sent as the function ends, also when it ends by failing (the
+    step-time chart had a gap there)."""
+    with pytest.raises(nbtrain.WorkerError):
+        nbtrain.launch(trains_then_fails, devices=2, dashboard=False)
+    run = nbtrain.last_run()
+    assert [e.step for e in run.history.events("step", 0)] == [0, 1, 2]
+
+
+def test_a_failing_rank_closes_its_context_so_its_recorder_sends_what_it_held(
+        tmp_path, monkeypatch):
+    """What ctx._close sends (a CUDA rank's batched ctx.log tensors, its device clock's
+    last steps) exists only on a GPU; that a failing rank closes its context shows here:
+    the forked ranks run the kernel's Context._close, which leaves a mark."""
+    from nbtrain.context import Context
+
+    close = Context._close
+
+    def marked(self):
+        (tmp_path / f"closed-{self.rank}").touch()
+        close(self)
+
+    monkeypatch.setattr(Context, "_close", marked)
+    with pytest.raises(nbtrain.WorkerError):
+        nbtrain.launch(trains_then_fails, devices=2, start_method="fork", dashboard=False)
+    assert (tmp_path / "closed-0").exists()  # rank 0 failed, and closed its context

@@ -257,12 +257,12 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
 
             if out_of_memory(exc):  # measured before anything is let go
                 hint = diagnose(ctx)
-        if isinstance(exc, SystemExit):
-            hint = exit_hint(exc)
             try:
                 ctx._close()
             except Exception:
                 pass
+        if isinstance(exc, SystemExit):
+            hint = exit_hint(exc)
         message = encode_failure(exc, spec.rank, (__file__,), hint)
         if telemetry:
             detail = decode_failure(message).traceback + (f"\n{hint}" if hint else "")
