@@ -6,26 +6,23 @@ debugged from the notebook. ``breakpoint()`` is Python's own (pdb) again in a ra
 from __future__ import annotations
 
 import builtins
-import os
+import getpass
 import sys
 
 from ..questions import decode_answer, encode_question
+from .displays import write_record
 
 
 def install(commands, rank: int) -> None:
     """From now on this process's ``input`` and ``getpass`` ask the kernel, whose answer
     comes on ``commands`` (the rank's command pipe)."""
-    import getpass
 
     def ask(prompt: object = "", password: bool = False) -> str:
-        for stream in {sys.stderr, sys.stdout, sys.__stdout__}:  # what came before
-            try:  # shows before it
-                stream.flush()
-            except Exception:
-                pass
-        record = encode_question(str(prompt), password)
-        while record:  # on the pipe the kernel reads as stdout, whatever sys.stdout is now
-            record = record[os.write(1, record):]
+        try:
+            sys.stderr.flush()  # what came before shows before it (stdout: write_record)
+        except Exception:
+            pass
+        write_record(encode_question(str(prompt), password))
         try:
             answer = decode_answer(commands.recv_bytes())
         except (EOFError, OSError) as err:  # the kernel went away, or closed the pipe

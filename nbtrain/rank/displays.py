@@ -108,7 +108,7 @@ class _Forwarder:
                 self.stand_in(self.capturing[-1], body)
             else:
                 with self.lock:
-                    _write(encode_display(Display(kind, body, metadata)))
+                    write_record(encode_display(Display(kind, body, metadata)))
 
     def stand_in(self, comm: str, body: dict) -> None:
         first = comm not in self.stand_ins
@@ -122,7 +122,7 @@ class _Forwarder:
             if first or (now - self.shown_at.get(comm, 0.0) >= self.REDRAW_S
                          and comm not in self.waiting):
                 self.shown_at[comm] = now
-                _write(record)
+                write_record(record)
                 return
             self.waiting[comm] = record
             if self.timer is None:
@@ -137,7 +137,7 @@ class _Forwarder:
                 self.timer = None
             for comm, record in self.waiting.items():
                 self.shown_at[comm] = time.monotonic()
-                _write(record)
+                write_record(record)
             self.waiting.clear()
 
 
@@ -156,16 +156,12 @@ def own_shell() -> bool:
     config = Config()
     config.HistoryManager.enabled = False  # not the kernel's sqlite file, from every rank
     shell = InteractiveShell.instance(config=config)
-    lock = threading.Lock()
+    forwarder = _Forwarder()  # what a forked rank's session sends, from this publisher
 
     def publish(data, metadata=None, source=None, *, transient=None, update=False, **_):
-        if WIDGET_VIEW in data:
-            return
         content = {"data": data, "metadata": metadata or {}, "transient": transient or {}}
-        record = encode_display(Display("update_display_data" if update else "display_data",
-                                        content, metadata or {}))
-        with lock:
-            _write(record)
+        forwarder.take("update_display_data" if update else "display_data", content,
+                       metadata or {})
 
     shell.display_pub.publish = publish
     shell.display_pub.clear_output = lambda wait=False: None  # the cell is not the rank's
@@ -194,7 +190,9 @@ def _no_widgets(shell) -> None:
                 pass
 
 
-def _write(record: bytes) -> None:
+def write_record(record: bytes) -> None:
+    """One record on the rank's stdout (fd 1, the pipe the kernel reads), after what
+    was printed before it."""
     try:
         sys.stdout.flush()  # what was printed before it comes first
     except Exception:

@@ -276,20 +276,14 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
 
 def exit_hint(exc: SystemExit) -> str:
     """What to do about a rank's ``sys.exit(code)`` (argparse calls it too)."""
-    argparse = any(tb.tb_frame.f_code.co_filename.endswith("argparse.py")
-                   for tb in _frames(exc.__traceback__))
+    argparse = any(frame.f_code.co_filename.endswith("argparse.py")
+                   for frame, _ in traceback.walk_tb(exc.__traceback__))
     why = ("argparse did not accept the command line (its message is above); give it "
            "its arguments: parser.parse_args([\"--lr\", \"0.1\"]), or set sys.argv in a "
            "cell before launching" if argparse else
            "in a notebook a function ends by returning (sys.exit(0) counts as that) or by "
            "raising an exception that says what went wrong")
     return f"the function called sys.exit({exc.code!r}): {why}."
-
-
-def _frames(tb):
-    while tb is not None:
-        yield tb
-        tb = tb.tb_next
 
 
 def _name(fn: Any) -> str:
