@@ -26,6 +26,9 @@ class Reply:
     seconds: float = 0.0
     execution_count: int | None = None  # the cell's In[N], as the frontend shows it
     prompts: list = field(default_factory=list)  # what input requests asked, in order
+    # ("stdout" | "stderr", text) of each stream message and ("display", data) of each
+    # display_data, in the order they arrived
+    sequence: list = field(default_factory=list)
 
     @property
     def ename(self) -> str | None:
@@ -112,6 +115,9 @@ class Kernel:
                                                   []).append(msg["content"]["data"])
                 continue
             kind, content = msg["msg_type"], msg["content"]
+            if kind in ("stream", "display_data"):
+                reply.sequence.append((content.get("name", "display"),
+                                       content.get("text", content.get("data"))))
             if kind == "stream":
                 if content["name"] == "stdout":
                     reply.stdout += content["text"]
