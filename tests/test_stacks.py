@@ -128,3 +128,36 @@ def test_what_a_rank_wrote_beside_its_stack_reaches_the_cell():
         os.close(r), os.close(wr)
     finally:
         watch.close(end_ranks=False)
+
+
+def test_a_stack_cut_mid_line_as_the_rank_ended_stays_out_of_the_cell():
+    """A rank ended while it wrote the stack it was asked for: the line it had not ended
+    is its stack's, as the read part of a dump is; it reached the cell as a lone
+    ``File ... in _run_once`` line under a failed launch."""
+    import types
+
+    from nbtrain.launch.watch import Watch
+
+    emitted = []
+    watch = Watch([types.SimpleNamespace(rank=1)], lambda r, s, line: emitted.append(line),
+                  join=False)
+    try:
+        w = watch.workers[1]
+        cut = f'  File "{STDLIB}", line 1922 in _run_once'
+        for asked, tail in ((True, False), (False, True)):  # being read, or read already
+            w.stack, w.tail = ([] if asked else None), tail
+            r, wr = os.pipe()
+            w.handle.err = types.SimpleNamespace(fileno=lambda r=r: r)
+            lines = dump(STACK, fatal=False)[:-2] if asked else []
+            os.write(wr, "".join(f"{line}\n" for line in lines).encode() + cut.encode())
+            os.close(wr)
+            while watch.read_output(w, "err"):  # to the pipe's end
+                pass
+            os.close(r)
+            assert emitted == [], emitted
+            if asked:
+                assert w.stack[-1] == cut
+                watch.read_stacks()
+                assert emitted == [] and w.where.name == "train"
+    finally:
+        watch.close(end_ranks=False)

@@ -243,19 +243,24 @@ class Watch:
             if kind != stream:  # a display record, a redrawn line: to the cell
                 self.emit(w.rank, kind, line)
                 continue
-            if stream == "err" and self._dying(w, line):
-                continue
-            if stream == "err" and w.tail:
-                if in_dump(line):
-                    continue  # the rest of a stack already read (its outer frames)
-                w.tail = False
-            if w.stack is not None and stream == "err":  # its stack goes into its failure
-                w.stack.append(line)
-            else:
-                if stream == "err":
-                    w.last_err.append(line)
-                self.emit(w.rank, stream, line)
+            self._line(w, stream, line)
         return True
+
+    def _line(self, w: RankState, stream: str, line: str) -> None:
+        """One line the rank wrote: to the cell, or, on stderr, to the stack it was asked
+        for or the dump it wrote as it died."""
+        if stream == "err" and self._dying(w, line):
+            return
+        if stream == "err" and w.tail:
+            if in_dump(line):
+                return  # the rest of a stack already read (its outer frames)
+            w.tail = False
+        if w.stack is not None and stream == "err":  # its stack goes into its failure
+            w.stack.append(line)
+        else:
+            if stream == "err":
+                w.last_err.append(line)
+            self.emit(w.rank, stream, line)
 
     def _ask(self, w: RankState, prompt: str, password: bool) -> None:
         """The rank waits for input: the cell that waits for it asks (``questions.py``)."""
@@ -279,12 +284,14 @@ class Watch:
         return True
 
     def _flush_partial(self, w: RankState, stream: str) -> None:
+        """The line the rank had not ended (it was ended as it wrote it: a stack it was
+        asked for, cut mid-line, is still its stack's, not the cell's)."""
         rest = w.pipes[stream].end()
         if rest:
             if stream == "err" and w.dying is not None:
                 w.dying.append(rest)
             else:
-                self.emit(w.rank, stream, rest)
+                self._line(w, stream, rest)
 
     def drain_to_end(self, within: float) -> None:
         """Read the last lines, up to end-of-file (or ``within`` seconds, if something the
