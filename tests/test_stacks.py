@@ -161,3 +161,35 @@ def test_a_stack_cut_mid_line_as_the_rank_ended_stays_out_of_the_cell():
                 assert emitted == [] and w.where.name == "train"
     finally:
         watch.close(end_ranks=False)
+
+
+def test_a_stack_asked_for_while_a_bar_was_drawn_leaves_the_bars_text_alone():
+    """faulthandler starts its dump where the rank's stderr stands: after a progress bar
+    redrawn in place, on the bar's line. The bar's text is the rank's; the dump, from
+    its first line, is its stack (the thread line showed in the cell after the bar)."""
+    import types
+
+    from nbtrain.launch.stacks import dump_within
+    from nbtrain.launch.watch import Watch
+
+    bar = "epoch 0:  26%|##   | 161/625 "
+    assert dump_within(bar + "Thread 0x00007f00 (most recent call first):") == len(bar)
+    assert dump_within("Thread 0x00007f00 (most recent call first):") == 0
+    assert dump_within("a line about Thread 0x00") == 0
+    emitted = []
+    watch = Watch([types.SimpleNamespace(rank=1)], lambda r, s, line: emitted.append((s, line)),
+                  join=False)
+    try:
+        w = watch.workers[1]
+        w.stack = []
+        r, wr = os.pipe()
+        w.handle.err = types.SimpleNamespace(fileno=lambda: r)
+        lines = dump(STACK, fatal=False)
+        os.write(wr, ("\rbar  10%\rbar  26%" + "\n".join(lines) + "\n").encode())
+        watch.read_output(w, "err")
+        watch.read_stacks()
+        os.close(r), os.close(wr)
+        assert [e for e in emitted if e[0] == "err"] == [("err", "bar  26%")], emitted
+        assert w.where.name == "train"
+    finally:
+        watch.close(end_ranks=False)

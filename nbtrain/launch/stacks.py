@@ -26,6 +26,9 @@ _DUMP_LINE = re.compile(r'^(\s*$|(Current thread|Thread) 0x|Stack \(most recent 
                         r'  File "|  <no Python frame>|  \.\.\.|Extension modules:|'
                         r"Python runtime state:)")
 _THREAD = re.compile(r"^((Current thread|Thread) 0x[0-9a-fA-F]+|Stack \(most recent call first\))")
+# A dump's first line, also where it follows text the rank left unended (a progress bar)
+_START = re.compile(r"Fatal Python error:|(Current thread|Thread) 0x[0-9a-fA-F]+ "
+                    r"\(most recent call first\):|Stack \(most recent call first\):")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _RANK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rank")
 _PACKAGE_DIR = os.path.dirname(_RANK_DIR)
@@ -87,6 +90,13 @@ class Dump:
     def complete(self) -> bool:
         """Whether the thread that runs the rank's function has been read to its end."""
         return bool(self.function_frames())
+
+
+def dump_within(line: str) -> int:
+    """Where a dump starts in ``line`` after what the rank had left unended on it (a bar
+    redrawn in place, ended by the dump's first line); 0 when it does not."""
+    found = _START.search(line, 1)
+    return found.start() if found else 0
 
 
 def in_dump(line: str) -> bool:

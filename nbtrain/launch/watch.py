@@ -32,7 +32,7 @@ from .failures import Failure, explain_alone, reported_failure, with_stack
 from .late import Late
 from .launcher import WorkerHandle
 from .pipes import PipeText
-from .stacks import FATAL, Dump, in_dump
+from .stacks import FATAL, Dump, dump_within, in_dump
 
 
 @dataclass
@@ -249,6 +249,9 @@ class Watch:
     def _line(self, w: RankState, stream: str, line: str) -> None:
         """One line the rank wrote: to the cell, or, on stderr, to the stack it was asked
         for or the dump it wrote as it died."""
+        if stream == "err" and (start := dump_within(line)):  # a bar, then a dump
+            self._line(w, stream, line[:start])
+            line = line[start:]
         if stream == "err" and self._dying(w, line):
             return
         if stream == "err" and w.tail:
