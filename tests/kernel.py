@@ -87,17 +87,17 @@ class Kernel:
     def submit(self, code: str, allow_stdin: bool = True) -> str:
         return self.kc.execute(textwrap.dedent(code), allow_stdin=allow_stdin)
 
-    def collect(self, msg_id: str, timeout: float = 180, until: str | None = None,
+    def collect(self, msg_id: str, timeout: float = 180, until=None,
                 answers=None) -> Reply:
         """Read the cell's messages until it is idle (or, with ``until``, until its stdout
-        contains that text; call again to go on). ``answers``: what a person types in
+        contains that text, or that function of the reply is true; call again to go on). ``answers``: what a person types in
         the input boxes the cell asks for, in turn, or a function of each prompt (the
         prompts go to ``prompts``)."""
         reply = self._replies.setdefault(msg_id, Reply())
         start = time.monotonic()
         deadline = start + timeout
         while True:
-            if until is not None and until in reply.stdout:
+            if until is not None and (until(reply) if callable(until) else until in reply.stdout):
                 return reply
             left = deadline - time.monotonic()
             if left <= 0:

@@ -51,6 +51,22 @@ def test_a_pipe_gives_lines_records_and_redraws_in_order():
         ("display", record.decode()[len(DISPLAY_MARK):-1]), ("err", "x")]
 
 
+def test_a_line_left_unended_shows_once_it_has_waited_and_as_it_grows():
+    """``print("epoch 1 ...", end="")`` before a long step: a terminal shows it at once;
+    the kernel shows it once it has stood unended a while, live, then as its line."""
+    pipe = PipeText("out")
+    assert pipe.feed(b"a line\nepoch 1 ...") == [("out", "a line")]
+    began = pipe.since
+    assert pipe.waiting(began + 0.1, after=0.5) is None  # a line still being written
+    assert pipe.feed(b" .") == [] and pipe.since == began  # the same line, still unended
+    assert pipe.waiting(began + 0.6, after=0.5) == "epoch 1 ... ."
+    assert pipe.waiting(began + 5, after=0.5) is None  # shown once
+    assert pipe.feed(b" .") == [("out-live", "epoch 1 ... . .")]  # grows, as shown
+    assert pipe.feed(b" done\nnext") == [("out-live", ""), ("out", "epoch 1 ... . . done")]
+    assert pipe.since is not None and pipe.since > began  # "next" began anew
+    assert pipe.feed(b"\n") == [("out", "next")] and pipe.since is None
+
+
 def test_a_display_record_round_trips_and_a_bad_one_is_refused():
     record = encode_display(Display("update_display_data",
                                     {"data": {"text/html": "<b>é\n</b>"},
@@ -160,7 +176,7 @@ def test_a_tqdm_bar_leaves_one_line_not_its_redraws(start_method, capsys, no_lef
 
 # -- in a kernel ---------------------------------------------------------------------------
 SETUP = '''
-import sys, time, tempfile, torch, nbtrain
+import os, sys, time, tempfile, torch, nbtrain
 from IPython.display import display, HTML
 
 def table(ctx):
@@ -196,6 +212,15 @@ def chatty(ctx, lines=3000):
             print("warned", file=sys.stderr)
     display(HTML("<b>a display</b>"))
     print("after")
+    return ctx.rank
+
+def unended(ctx, flag):
+    print("epoch 1 ...", end="", flush=True)
+    for _ in range(600):  # until the test has seen it, as a person would
+        if os.path.exists(flag):
+            break
+        time.sleep(0.05)
+    print(" done")
     return ctx.rank
 
 def captured(ctx):
@@ -259,6 +284,28 @@ def test_a_chatty_ranks_lines_go_out_batched_and_in_order_with_its_displays(k, k
     before_display = "".join(text for i, (kind, text) in enumerate(seq[:shown]) if i in outs)
     assert before_display.endswith("[rank 0] line 2999\n")  # the display after its lines
     assert "after" in seq[outs[-1]][1] and outs[-1] > shown
+
+
+@pytest.mark.kernel
+def test_a_line_a_rank_left_unended_shows_while_it_waits(k, kernel_clean, tmp_path):
+    """The rank goes on only once the cell has shown its unended line (its line then
+    ends, and shows as a line)."""
+    flag = tmp_path / "seen"
+    msg_id = k.submit(f"nbtrain.launch(unended, devices=1, dashboard=False, flag={str(flag)!r})")
+
+    def live(reply) -> list[str]:
+        return [c["data"].get("text/plain", "") for kind, c in
+                [("display_data", {"data": d}) for d in reply.displays] + reply.others
+                if kind in ("display_data", "update_display_data")]
+
+    reply = k.collect(msg_id, timeout=60,
+                      until=lambda r: "[rank 0] epoch 1 ..." in live(r))
+    assert "epoch" not in reply.stdout  # shown live, not yet as a line
+    flag.touch()
+    reply = k.collect(msg_id, timeout=60)
+    assert reply.error is None, reply.error
+    assert reply.stdout == "[rank 0] epoch 1 ... done\n"
+    assert live(reply)[-1] == ""  # the live line gave way to the line
 
 
 @pytest.mark.kernel

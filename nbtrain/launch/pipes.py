@@ -7,6 +7,7 @@ redraws reported as they come instead of held until its newline."""
 from __future__ import annotations
 
 import codecs
+import time
 
 from ..display_record import DISPLAY_MARK
 
@@ -21,11 +22,13 @@ class PipeText:
         self._decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
         self.partial = ""  # the line not ended yet (of a redrawn one: what shows, then
         self.live: str | None = None  # its last redraw); what it showed as reported
+        self.since: float | None = None  # when the line not ended yet began
 
     def feed(self, data: bytes) -> list[tuple[str, str]]:
         text = self.partial + self._decode(data)  # a character split between reads waits
         if "\r" not in text and DISPLAY_MARK not in text and self.live is None:
             *lines, self.partial = text.split("\n")  # plain lines: the common case
+            self._begun(bool(lines))
             return [(self.stream, line) for line in lines]
         items: list[tuple[str, str]] = []
         start = 0
@@ -48,14 +51,36 @@ class PipeText:
                     continue
             items.append((self.stream, line))
         self.partial = pending + text[start:]
-        if "\r" in self.partial and DISPLAY_MARK not in self.partial:
+        self._begun(start > 0)
+        shown = None
+        if DISPLAY_MARK in self.partial:
+            pass
+        elif "\r" in self.partial:
             *before, last = self.partial.split("\r")
             self.partial = (redrawn("\r".join(before)) or "") + "\r" + last
             shown = redrawn(self.partial) or ""
-            if shown != (self.live or ""):
-                self.live = shown
-                items.append((self.stream + "-live", shown))
+        elif self.live is not None:  # an unended line shown already (``waiting``) grew
+            shown = self.partial
+        if shown is not None and shown != (self.live or ""):
+            self.live = shown
+            items.append((self.stream + "-live", shown))
         return items
+
+    def _begun(self, ended: bool) -> None:
+        if not self.partial:
+            self.since = None
+        elif ended or self.since is None:
+            self.since = time.monotonic()
+
+    def waiting(self, now: float, after: float) -> str | None:
+        """The unended line, once it has stood ``after`` seconds unshown (``print("epoch
+        1 ...", end="")`` before a long step; a terminal shows it): from now on it is
+        shown as a line redrawn in place is, until it ends. None otherwise."""
+        if self.live is not None or self.since is None or now - self.since < after \
+                or "\r" in self.partial or DISPLAY_MARK in self.partial:
+            return None
+        self.live = self.partial
+        return self.partial
 
     def end(self) -> str | None:
         """The unended line, as shown, once the pipe is closed (or the rank is gone)."""

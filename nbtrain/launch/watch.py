@@ -34,6 +34,8 @@ from .launcher import WorkerHandle
 from .pipes import PipeText
 from .stacks import FATAL, Dump, dump_within, in_dump
 
+UNENDED_S = 0.5  # an unended line stood this long shows (``PipeText.waiting``)
+
 
 @dataclass
 class RankState:
@@ -121,7 +123,17 @@ class Watch:
                 self.read_output(w, what)
             elif what == "exit" and self._reap(w):
                 exited.append(w)
+        self._show_unended(time.monotonic())
         return exited
+
+    def _show_unended(self, now: float) -> None:
+        """A line a rank began and has not ended for ``UNENDED_S`` shows, as a bar does."""
+        for w in self.workers.values():
+            if w.stack is None and w.dying is None:
+                for stream, pipe in w.pipes.items():
+                    if pipe.since is not None and \
+                            (shown := pipe.waiting(now, UNENDED_S)) is not None:
+                        self.emit(w.rank, stream + "-live", shown)
 
     def _register(self) -> None:
         sel, self._registered = self._sel, True
