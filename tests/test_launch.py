@@ -112,6 +112,18 @@ def test_a_raising_rank_ends_the_run(start_method):
         _ = run.results
 
 
+def test_a_data_loader_workers_error_reads_as_its_own_and_where_it_was_raised():
+    """torch raises it again in the rank with the worker's whole traceback as the
+    message; the headline is the worker's exception, the traceback keeps all of it."""
+    with pytest.raises(nbtrain.WorkerError) as info:
+        nbtrain.launch(fail_on, "loader", devices=2, dashboard=False)
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "ValueError"
+    assert err.message == "sample 2 is corrupt (raised in DataLoader worker process 0)"
+    assert "__getitem__" in err.traceback and "Original Traceback" in err.traceback
+    assert str(err).startswith("rank 1 failed with ValueError: sample 2 is corrupt (raised")
+
+
 def test_a_killed_rank_names_the_signal_and_the_likely_cause():
     t = time.monotonic()
     with pytest.raises(nbtrain.WorkerError) as info:

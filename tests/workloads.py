@@ -121,8 +121,21 @@ def fail_on(ctx, mode, rank=1, after=0.0):
             t = torch.ones(1000)
         if mode == "alone":  # a collective the others never run
             dist.all_reduce(t)
+        if mode == "loader":  # a sample a DataLoader worker cannot load
+            for _ in torch.utils.data.DataLoader(Corrupt(), num_workers=1):
+                pass
     dist.all_reduce(t)  # the healthy ranks wait here for the failed one
     return ctx.rank
+
+
+class Corrupt(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if i == 2:
+            raise ValueError(f"sample {i} is corrupt")
+        return i
 
 
 def sleeper(ctx, seconds=3600):

@@ -36,10 +36,34 @@ class Failure:
 def reported_failure(rank: int, body: RankFailure, interrupted: bool) -> Failure:
     """The exception a rank reported; ``interrupted``: nbtrain interrupted the rank."""
     text = f"{body.type}: {body.message}\n{body.traceback}"
-    return Failure(rank, body.type, body.message, body.traceback, time.monotonic(),
+    return Failure(rank, body.type, unwrapped(body.message), body.traceback, time.monotonic(),
                    hint=body.hint,
                    secondary=(interrupted and body.type == "KeyboardInterrupt")
                    or bool(_COMM_ERROR.search(text)))
+
+
+def unwrapped(message: str) -> str:
+    """torch raises a DataLoader worker's exception again in the rank (a pin-memory
+    thread's, a DataParallel replica's) with that process's whole traceback as the
+    message: the original exception's own message, and where it was raised. The
+    traceback, which keeps all of it, is the rank's to show."""
+    found = _RERAISED.match(message)
+    if found is None:
+        return message
+    lines = message[found.end():].rstrip("\n").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.startswith("  File ")), default=None)
+    if last is None:
+        return message
+    rest = lines[last + 1:]
+    while rest and rest[0].startswith(" "):  # the frame's source and its carets
+        rest = rest[1:]
+    original = "\n".join(rest).strip()
+    kind = f"{found.group(1)}: "
+    original = original[len(kind):] if original.startswith(kind) else original
+    return f"{original} (raised {found.group(2)})" if original else message
+
+
+_RERAISED = re.compile(r"Caught (\w+) (.+?)\.\nOriginal Traceback \(most recent call last\):\n")
 
 
 def exit_failure(rank: int, exitcode: int, exit_hint: str = "",
