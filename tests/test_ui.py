@@ -362,6 +362,13 @@ def test_static_view_bundle_has_plotly_mimetype():
     assert figure_bundle(build_figure(view.state), "x")["text/plain"] == "x"
 
 
+def test_a_view_of_a_run_with_nothing_to_plot_has_no_figure():
+    view = StaticView(display=False, world_size=2)
+    view.close(None)
+    header, fig = view.bundles()
+    assert "rank 0" in header["text/html"] and fig == {"text/plain": ""}
+
+
 # -- choosing a view -----------------------------------------------------------------------
 def test_fallback_selection(monkeypatch):
     monkeypatch.delenv("NBTRAIN_DASHBOARD", raising=False)

@@ -61,6 +61,17 @@ def test_auto_is_static_without_a_widget_manager(setup, kernel_clean):
     assert 2 <= updates <= 2 * (seconds / 2.0 + 3), (updates, seconds)  # two handles, 0.5 Hz
 
 
+def test_a_run_that_logged_no_step_leaves_its_header_and_no_empty_axes(setup, kernel_clean):
+    """A function that only communicates, or a run that failed as it started: nothing to
+    plot, so no figure of empty axes under the header."""
+    msgs, _ = messages(setup, "run = nbtrain.launch(fail_on, 'none', devices=2); run.results")
+    assert not _errors(msgs), _errors(msgs)
+    outputs = [m["content"]["data"] for m in msgs
+               if m["msg_type"] in ("display_data", "update_display_data")]
+    assert any("rank 0: done" in d.get("text/html", "") for d in outputs)
+    assert not any(PLOTLY_MIME in d for d in outputs)
+
+
 # How many widgets the kernel holds (ipywidgets 8 keeps them in _instances, 7 in
 # Widget.widgets).
 WIDGETS_ALIVE = ("(lambda w: len(w.widgets.widget._instances "

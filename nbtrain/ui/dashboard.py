@@ -214,7 +214,8 @@ class Dashboard(LiveView):
         if final and self._handles is not None:
             # The static forms take the outputs' places, in every page (keeper.py); a
             # static figure's height follows its rows.
-            figure = figure_bundle(build_figure(state), shown["text/plain"])
+            figure = figure_bundle(build_figure(state), shown["text/plain"]) \
+                if state.has_data() else EMPTY  # no empty axes
             changes = [(self._handles[0], shown), (self._handles[1], figure)]
             if self._handles[2].version:  # a snapshot was shown there
                 changes.append((self._handles[2], EMPTY))

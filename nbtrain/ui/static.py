@@ -139,7 +139,12 @@ class StaticView(LiveView):
                     "text/plain": header_text(self.state)}
 
     def bundles(self, final: bool = True) -> tuple[dict, dict]:
+        """The header, and the figure: nothing where no rank logged a step or a metric
+        (a run that failed as it started, a function that only communicates), where it
+        would show empty axes."""
         header = self.header()
+        if not self.state.has_data():
+            return header, {"text/plain": ""}
         with self.state.lock:
             text = self.state.progress_line()
         return header, figure_bundle(build_figure(self.state), text, html=final)
