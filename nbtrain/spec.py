@@ -10,6 +10,10 @@ from dataclasses import dataclass
 
 from .telemetry.settings import Telemetry
 
+# Set in nbtrain's own ranks: they are no torchrun ranks (scaleout/torchrun.py), and they
+# start no ranks of their own (launch/start.py)
+WORKER_ENV = "NBTRAIN_WORKER"
+
 
 @dataclass(frozen=True)
 class WorkerSpec:
@@ -46,7 +50,7 @@ class WorkerSpec:
             "MASTER_ADDR": self.store_host,
             "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
             "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.world_size),
-            "GROUP_RANK": "0", "NBTRAIN_WORKER": "1",  # not a torchrun rank: see scaleout/torchrun.py
+            "GROUP_RANK": "0", WORKER_ENV: "1",
         }
         if self.store_port is not None:  # else set once rank 0's store is up
             env["MASTER_PORT"] = str(self.store_port)

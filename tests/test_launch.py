@@ -17,6 +17,7 @@ from torch import nn
 from workloads import (
     chatty,
     fail_on,
+    nested,
     out_of_memory,
     sleeper,
     train,
@@ -122,6 +123,21 @@ def test_a_data_loader_workers_error_reads_as_its_own_and_where_it_was_raised():
     assert err.message == "sample 2 is corrupt (raised in DataLoader worker process 0)"
     assert "__getitem__" in err.traceback and "Original Traceback" in err.traceback
     assert str(err).startswith("rank 1 failed with ValueError: sample 2 is corrupt (raised")
+
+
+@pytest.mark.parametrize("what", ["launch", "pool"])
+def test_a_rank_that_launches_ranks_of_its_own_is_told_to_call_the_function(what):
+    """It forked ranks of its own, whose process group met the run's: the error was an
+    init_process_group complaint from a rank the user never meant to start."""
+    with pytest.raises(nbtrain.WorkerError) as info:
+        nbtrain.launch(nested, what, devices=2, dashboard=False)
+    err = info.value
+    assert err.exc_type == "RuntimeError", str(err)
+    who = "launch()" if what == "launch" else "RankPool()"
+    assert err.message == (f"nbtrain's {who} was called in rank {err.rank} of 2: a rank "
+                           "starts no ranks of its own. Call the function here instead (it "
+                           "runs as this rank, in the run's process group), or launch it "
+                           "from the notebook.")
 
 
 def test_a_killed_rank_names_the_signal_and_the_likely_cause():

@@ -128,6 +128,19 @@ def fail_on(ctx, mode, rank=1, after=0.0):
     return ctx.rank
 
 
+def inner(ctx):
+    return ctx.rank
+
+
+def nested(ctx, what="launch"):
+    """A rank that starts ranks of its own (refused)."""
+    import nbtrain
+
+    if what == "pool":
+        nbtrain.RankPool(devices=2)
+    return nbtrain.launch(inner, devices=2, dashboard=False).results
+
+
 class Corrupt(torch.utils.data.Dataset):
     def __len__(self):
         return 4

@@ -92,6 +92,7 @@ class RankPool:
         from .devices import parse_devices
         from .guards import choose_start_method
 
+        start.refuse_in_a_rank("RankPool()")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
         self.plan = parse_devices(devices, accelerator)

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from .. import seeding, strategies
 from ..cells import current_kernel
 from ..run import DASHBOARDS, Run
-from ..spec import WorkerSpec
+from ..spec import WORKER_ENV, WorkerSpec
 from ..strategies import Strategy
 from ..telemetry.settings import Telemetry
 from ..wire import Outcome
@@ -79,6 +79,7 @@ def check(who: str, fn, args: tuple, kwargs: dict, *, strategy: str | Strategy =
     """Everything about a run that can be wrong, checked before anything starts: how
     ``fn`` is called (with ``ctx`` or without, which keywords are the strategy's), the
     timeout, the view, the resume path, the seed, the telemetry options."""
+    refuse_in_a_rank(who)
     if not callable(fn):
         raise TypeError(f"{who} takes the function to run first; got {type(fn).__name__}.")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
@@ -93,6 +94,17 @@ def check(who: str, fn, args: tuple, kwargs: dict, *, strategy: str | Strategy =
     return Request(call, tuple(args), own, chosen, seeding.base_seed(seed), seed, timeout,
                    Telemetry.from_arg(telemetry), tuple(sinks), dashboard,
                    _resume_path(resume), background, max_restarts)
+
+
+def refuse_in_a_rank(who: str) -> None:
+    """A rank of a run or a pool starts no ranks of its own (its own would fork from it,
+    and their process group would meet the run's)."""
+    if os.environ.get(WORKER_ENV):
+        rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+        raise RuntimeError(
+            f"nbtrain's {who} was called in rank {rank} of {world}: a rank starts no ranks "
+            "of its own. Call the function here instead (it runs as this rank, in the "
+            "run's process group), or launch it from the notebook.")
 
 
 def _resume_path(resume) -> str | None:

@@ -29,6 +29,8 @@ import itertools
 import os
 import re
 
+from ..spec import WORKER_ENV
+
 TORCHRUN_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                   "MASTER_PORT")
 
@@ -147,7 +149,7 @@ ENVIRONMENTS = {"slurm": slurm, "lsf": lsf, "kubeflow": kubeflow}
 def detect(env=os.environ) -> tuple[str, dict[str, str]] | None:
     """The cluster environment this process is a rank of, with torchrun's variables for
     it; None outside one (and in nbtrain's own workers, which inherit a node's)."""
-    if env.get("NBTRAIN_WORKER"):
+    if env.get(WORKER_ENV):
         return None
     for name, read in ENVIRONMENTS.items():
         found = read(env)

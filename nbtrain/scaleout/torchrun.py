@@ -33,7 +33,7 @@ from ..launch.start import Request, register_in_process
 from ..plan import DevicePlan
 from ..rank.worker import execute
 from ..run import Run
-from ..spec import WorkerSpec
+from ..spec import WORKER_ENV, WorkerSpec
 from ..telemetry.channel import parse_address
 from ..telemetry.client import TelemetryClient
 from ..telemetry.events import Event, decode, encode
@@ -42,7 +42,6 @@ from . import clusters
 
 ATTACH_ENV = "NBTRAIN_ATTACH"
 RUN_ID_ENV = "NBTRAIN_RUN_ID"  # the run's id for the listener (nbtrain.submit sets it)
-WORKER_ENV = "NBTRAIN_WORKER"  # set in nbtrain's own workers: they are not torchrun ranks
 _NEEDED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _warned_attach = False
 
