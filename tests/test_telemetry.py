@@ -226,6 +226,10 @@ def test_the_summary_shows_the_bytes_a_step_really_moves():
                             bytes={"all_reduce": size}))
     text = str(summarize(history, 1))
     assert "20.50 MB in 1.5 calls" in text, text  # it read "2 × 13.67 MB"
+    one = History()
+    one.append(Step(rank=0, step=0, t=0.0, duration=0.1, samples=8))
+    one.append(Comm(rank=0, step=0, t=0.0, counts={"all_reduce": 1}, bytes={"all_reduce": mb}))
+    assert "1.00 MB in 1 call" in str(summarize(one, 1)) and " 1 calls" not in str(summarize(one, 1))
 
 
 def trains_then_fails(ctx):

@@ -180,7 +180,8 @@ def _comm(figures: dict[str, float] | None) -> str:
     always whole: DDP's first step has no bucket all-reduce of its own)."""
     if not figures:
         return "-"
-    return f"{figures['bytes'] / 2**20:.2f} MB in {figures['calls']:.3g} calls"
+    calls = figures["calls"]
+    return f"{figures['bytes'] / 2**20:.2f} MB in {calls:.3g} call{'' if calls == 1 else 's'}"
 
 
 def _fmt(value, scale: float, spec: str) -> str:
