@@ -14,6 +14,7 @@ ratio >= 0.97 and a message rate far below the Jupyter server's ~1000/s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import textwrap
 import time
@@ -47,7 +48,8 @@ SETUP = textwrap.dedent("""
 
 
 def run_cell(kc, code: str, timeout: float = 600) -> tuple[dict[str, int], str, float]:
-    """Counts of iopub message types, the text result and the seconds the cell took."""
+    """Counts of iopub message types (and of ``"stdout lines"``), the text result and the
+    seconds the cell took."""
     msg_id = kc.execute(code)
     counts: dict[str, int] = {}
     result, error = "", None
@@ -61,6 +63,9 @@ def run_cell(kc, code: str, timeout: float = 600) -> tuple[dict[str, int], str, 
             continue
         kind = msg["msg_type"]
         counts[kind] = counts.get(kind, 0) + 1
+        if kind == "stream" and msg["content"]["name"] == "stdout":
+            counts["stdout lines"] = counts.get("stdout lines", 0) \
+                + msg["content"]["text"].count("\n")
         if kind == "execute_result":
             result = msg["content"]["data"]["text/plain"]
         elif kind == "error":
@@ -71,18 +76,28 @@ def run_cell(kc, code: str, timeout: float = 600) -> tuple[dict[str, int], str, 
             return counts, result, time.monotonic() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+@contextlib.contextmanager
+def kernel(setup: str):
+    """A real kernel's client, ``setup`` run in it; the kernel is shut down after."""
     km = KernelManager(kernel_name="python3")
     km.start_kernel()
     kc = km.client()
     kc.start_channels()
     try:
         kc.wait_for_ready(timeout=120)
-        run_cell(kc, SETUP)
+        run_cell(kc, setup)
+        yield kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    with kernel(SETUP) as kc:
         run_cell(kc, "nbtrain.launch(train, devices=2, steps=50, dashboard=False); None")
         rates: dict[str, list[float]] = {"off": [], "widget": []}
         messages = []
@@ -105,9 +120,6 @@ def main() -> None:
         print(f"  ratio (live/off)   {on / off:8.3f}   (target >= 0.97)")
         print(f"  comm messages      {sent / seconds:8.1f} /s   ({sent} in {seconds:.1f}s, "
               f"{messages[0][1]} comm_open per run; the server drops above ~1000/s)")
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,13 @@ the cell within a second of the loop's end.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import textwrap
-import time
-from queue import Empty
 
-from jupyter_client import KernelManager
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dashboard_overhead import kernel, run_cell  # noqa: E402  (a kernel; a cell, its messages)
 
 SETUP = textwrap.dedent("""
     import time, nbtrain
@@ -35,31 +36,6 @@ SETUP = textwrap.dedent("""
 """)
 
 
-def run_cell(kc, code: str, timeout: float = 600) -> tuple[str, int, float]:
-    """The text result, the stdout lines and the seconds the cell took."""
-    msg_id = kc.execute(code)
-    result, error, lines = "", None, 0
-    start = time.monotonic()
-    while True:
-        try:
-            msg = kc.get_iopub_msg(timeout=timeout)
-        except Empty:
-            raise TimeoutError(code) from None
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream" and content["name"] == "stdout":
-            lines += content["text"].count("\n")
-        elif kind == "execute_result":
-            result = content["data"]["text/plain"]
-        elif kind == "error":
-            error = content
-        elif kind == "status" and content["execution_state"] == "idle":
-            if error:
-                raise RuntimeError(f"{error['ename']}: {error['evalue']}")
-            return result, lines, time.monotonic() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lines", type=int, default=50_000)
@@ -71,19 +47,14 @@ def main() -> None:
         "1 rank": f"max(nbtrain.launch(ranks, devices=1, lines={n}, dashboard=False).results)",
         "2 ranks": f"max(nbtrain.launch(ranks, devices=2, lines={n}, dashboard=False).results)",
     }
-    km = KernelManager(kernel_name="python3")
-    km.start_kernel()
-    kc = km.client()
-    kc.start_channels()
-    try:
-        kc.wait_for_ready(timeout=120)
-        run_cell(kc, SETUP)
+    with kernel(SETUP) as kc:
         run_cell(kc, "nbtrain.launch(ranks, devices=2, lines=10, dashboard=False); None")
         loop: dict[str, list[float]] = {name: [] for name in cells}
         wall: dict[str, list[float]] = {name: [] for name in cells}
         for _ in range(args.repeats):
             for name, code in cells.items():
-                result, lines, seconds = run_cell(kc, code)
+                counts, result, seconds = run_cell(kc, code)
+                lines = counts.get("stdout lines", 0)
                 ranks = 1 if name == "kernel" else int(name[0])
                 if lines != n * ranks:
                     raise RuntimeError(f"{name}: {lines} lines reached the cell, not {n * ranks}")
@@ -95,9 +66,6 @@ def main() -> None:
         for name in cells:
             held, cell = statistics.median(loop[name]), statistics.median(wall[name])
             print(f"  {name:8} {held:11.2f} {held / base:9.2f} {cell:8.2f}")
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ class CellOutput:
     def _put(self, stream: str, text: str) -> None:
         """Write, flushed at once unless a kernel's stream holds it: that sends what it
         holds from its IO thread within a fifth of a second, and a flush from this thread
-        waits for that thread (per line, it throttled a chatty rank 40x). What the other
+        waits for that thread (per line, it held a chatty rank up 15-30x). What the other
         stream held goes first, so stdout and stderr stay in the order written."""
         if self._held not in (None, stream):
             self._flush_held()

@@ -15,6 +15,8 @@ from .stacks import Dump, native_message
 _COMM_ERROR = re.compile(r"gloo|nccl|connection (closed|reset) by peer|broken pipe|"
                          r"DistBackendError|DistNetworkError|DistStoreError|Socket Timeout",
                          re.IGNORECASE)
+# torch's re-raise of an exception from another process or thread (``unwrapped``)
+_RERAISED = re.compile(r"Caught (\w+) (.+?)\.\nOriginal Traceback \(most recent call last\):\n")
 
 
 @dataclass
@@ -62,8 +64,6 @@ def unwrapped(message: str) -> str:
     original = original[len(kind):] if original.startswith(kind) else original
     return f"{original} (raised {found.group(2)})" if original else message
 
-
-_RERAISED = re.compile(r"Caught (\w+) (.+?)\.\nOriginal Traceback \(most recent call last\):\n")
 
 
 def exit_failure(rank: int, exitcode: int, exit_hint: str = "",
