@@ -193,3 +193,27 @@ def test_a_stack_asked_for_while_a_bar_was_drawn_leaves_the_bars_text_alone():
         assert w.where.name == "train"
     finally:
         watch.close(end_ranks=False)
+
+
+def test_gloos_line_as_a_group_starts_is_not_the_ranks_output():
+    """torch 2.10 and 2.11 have gloo print "[Gloo] Rank 0 is connected to 0 peer ranks
+    ..." as a group starts: on Kaggle every launch's cell began with it (the Kaggle leg
+    found it in a test's exact stdout). The user's lines around it reach the cell."""
+    import types
+
+    from nbtrain.launch.watch import Watch
+
+    emitted = []
+    watch = Watch([types.SimpleNamespace(rank=0)], lambda r, s, line: emitted.append((s, line)),
+                  join=False)
+    try:
+        w = watch.workers[0]
+        r, wr = os.pipe()
+        w.handle.out = types.SimpleNamespace(fileno=lambda: r)
+        os.write(wr, b"[Gloo] Rank 0 is connected to 0 peer ranks. Expected number of "
+                     b"connected peer ranks is : 0\nthe user's line\n")
+        watch.read_output(w, "out")
+        os.close(r), os.close(wr)
+        assert emitted == [("out", "the user's line")]
+    finally:
+        watch.close(end_ranks=False)

@@ -7,9 +7,13 @@ redraws reported as they come instead of held until its newline."""
 from __future__ import annotations
 
 import codecs
+import re
 import time
 
 from ..display_record import DISPLAY_MARK
+
+# what gloo writes as a group starts (torch 2.10 and 2.11 do): not the user's output
+GLOO_START = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
 
 class PipeText:

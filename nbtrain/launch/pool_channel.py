@@ -8,7 +8,6 @@ process group, ``PoolOp``); after that command every rank starts a new group her
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
 import time
 from typing import Any
@@ -20,6 +19,7 @@ from ..questions import answer_waiting
 from ..wire import Command, DropGroup, Regroup, encode_command
 from .launcher import interrupts_deferred
 from .links import links
+from .pipes import GLOO_START
 from .pool_op import INTERRUPT_GRACE_S, STUCK_S, PoolOp, cell_error
 
 REGROUP_S = 30.0  # at most this long for the ranks to start a new process group
@@ -245,17 +245,13 @@ class PoolChannel:
         return op
 
 
-# what gloo writes as a group starts (torch 2.10 and 2.11 do), not the user's output
-_GLOO_START = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
-
-
 def _quieter(emit):
     """What ranks write while their group starts again goes to stderr (it is not the
     cell's output), without gloo's line saying so."""
     def quieter(rank: int, stream: str, line: str) -> None:
         if stream not in ("out", "err"):  # a display, a bar redrawn in place
             emit(rank, stream, line)
-        elif not _GLOO_START.match(line):
+        elif not GLOO_START.match(line):
             emit(rank, "err", line)
 
     return quieter

@@ -31,7 +31,7 @@ from ..wire import (
 from .failures import Failure, explain_alone, reported_failure, with_stack
 from .late import Late
 from .launcher import WorkerHandle
-from .pipes import PipeText
+from .pipes import GLOO_START, PipeText
 from .stacks import FATAL, Dump, dump_within, in_dump
 
 UNENDED_S = 0.5  # an unended line stood this long shows (``PipeText.waiting``)
@@ -261,6 +261,8 @@ class Watch:
     def _line(self, w: RankState, stream: str, line: str) -> None:
         """One line the rank wrote: to the cell, or, on stderr, to the stack it was asked
         for or the dump it wrote as it died."""
+        if GLOO_START.match(line):
+            return
         if stream == "err" and (start := dump_within(line)):  # a bar, then a dump
             self._line(w, stream, line[:start])
             line = line[start:]
