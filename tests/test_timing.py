@@ -292,7 +292,7 @@ def _device_step(clock, device, model, engine):
 
 
 def test_a_cuda_ranks_phases_come_from_its_events_read_once_complete():
-    from nbtrain.telemetry.timing import DeviceStepClock
+    from nbtrain.telemetry.device_timing import DeviceStepClock
 
     device, engine = FakeDevice(), FakeEngine()
     clock = DeviceStepClock(event=device.event, stream=device.stream)
@@ -325,7 +325,7 @@ def test_a_cuda_ranks_phases_come_from_its_events_read_once_complete():
 def test_what_a_cuda_rank_ran_between_two_steps_goes_to_neither():
     """An evaluation's forwards, marked on the device while no step was open, are
     forgotten (their events reused) when the next step begins."""
-    from nbtrain.telemetry.timing import DeviceStepClock
+    from nbtrain.telemetry.device_timing import DeviceStepClock
 
     device, engine = FakeDevice(), FakeEngine()
     clock = DeviceStepClock(event=device.event, stream=device.stream)
@@ -346,14 +346,14 @@ def test_what_a_cuda_rank_ran_between_two_steps_goes_to_neither():
 
 
 def test_a_device_far_behind_gets_host_times_rather_than_a_sync():
-    from nbtrain.telemetry import timing
+    from nbtrain.telemetry import device_timing
 
     device, engine = FakeDevice(), FakeEngine()
-    clock = timing.DeviceStepClock(event=device.event, stream=device.stream)
+    clock = device_timing.DeviceStepClock(event=device.event, stream=device.stream)
     clock._engine = engine
     model = nn.Linear(4, 4)
     sent = []
-    for i in range(timing.HOLD + 3):
+    for i in range(device_timing.HOLD + 3):
         _device_step(clock, device, model, engine)
         sent += clock.close(_made(rank=0, step=i, t=float(i), duration=0.05), 0.05)
     assert [s.step for s in sent] == [0, 1, 2] and device.synced == 0
@@ -382,7 +382,7 @@ def test_a_model_compiled_after_it_was_watched_is_timed(kind):
     compiled): the hooks are inside the compiled call, and dynamo runs them between
     graph breaks; forward, backward and optimizer are still timed, by the host clock and
     by the device clock's events (host-timed here), each mark at its place."""
-    from nbtrain.telemetry.timing import DeviceStepClock
+    from nbtrain.telemetry.device_timing import DeviceStepClock
 
     torch._dynamo.reset()
     clock = StepClock() if kind == "host" else DeviceStepClock(event=HostEvent)
@@ -407,10 +407,82 @@ def test_a_model_compiled_after_it_was_watched_is_timed(kind):
     assert sum(phases.values()) == pytest.approx(duration, rel=1e-3, abs=_ROUNDED * len(phases))
 
 
+class TracedEvent(torch.Event):
+    """A host-clock event that is a ``torch.Event``, as dynamo tells CUDA events (it
+    turns their ``record`` in a graph into an op); it notes each record made while
+    dynamo was tracing it."""
+
+    traced = 0
+
+    def __new__(cls):
+        return super().__new__(cls, "cpu")
+
+    def __init__(self):
+        self.at = None
+
+    def record(self, stream=None):
+        TracedEvent.traced += torch.compiler.is_compiling()
+        self.at = time.monotonic()
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        if self.at is None or end.at is None:  # torch's words
+            raise ValueError("Both events must be recorded before calculating elapsed time.")
+        return (end.at - self.at) * 1000
+
+
+def test_a_compiled_models_device_marks_are_recorded_between_its_graphs_not_traced():
+    """Compiled after it was watched, the model's hooks are inside the compiled call: on
+    CUDA an event's record traced into the graph left the event unrecorded, and the
+    step failed reading it (an H200, inductor). Every mark is recorded as its hook
+    runs, none while dynamo traces, and the forward is timed."""
+    from nbtrain.telemetry.device_timing import DeviceStepClock
+
+    torch._dynamo.reset()
+    TracedEvent.traced = 0
+    clock = DeviceStepClock(event=TracedEvent)
+    model = wide_mlp(256, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock.watch(model, [opt])
+    compiled = torch.compile(model, backend="aot_eager")
+    try:
+        for i in range(2):
+            compiled(torch.randn(64, 256)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            (step,) = clock.close(_made(rank=0, step=i, t=float(i), duration=5.0), 5.0)
+    finally:
+        clock.uninstall()
+    assert TracedEvent.traced == 0
+    assert step.phases["forward"] > 0 and step.phases["backward"] > 0, step.phases
+
+
+def test_a_step_with_an_unrecorded_event_gets_host_times_and_the_run_goes_on():
+    from nbtrain.telemetry.device_timing import DeviceStepClock
+
+    clock = DeviceStepClock(event=TracedEvent)
+    model = wide_mlp(64, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock.watch(model, [opt])
+    try:
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+        clock._marks[-1].at = None  # as the traced record left it
+        (step,) = clock.close(_made(rank=0, step=0, t=0.0, duration=1.0), 1.0)
+    finally:
+        clock.uninstall()
+    assert step.phases["optimizer"] > 0 and sum(step.phases.values()) == pytest.approx(1.0)
+
+
 def test_a_cuda_clock_follows_a_real_step(monkeypatch):
     """The device clock's marks in a real training step (gloo, one process), with events
     that read the host's clock: the phases agree with the host clock's."""
-    from nbtrain.telemetry.timing import DeviceStepClock
+    from nbtrain.telemetry.device_timing import DeviceStepClock
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "0")
@@ -450,7 +522,7 @@ def test_device_time_beyond_the_hosts_window_is_split_within_it():
     """A loop that syncs only in the next step (its optimizer step ends the window) gives
     a window shorter than the device's work for the step: the device's split, in the
     window's length."""
-    from nbtrain.telemetry.timing import DeviceStepClock
+    from nbtrain.telemetry.device_timing import DeviceStepClock
 
     device, engine = FakeDevice(), FakeEngine()
     clock = DeviceStepClock(event=device.event, stream=device.stream)
@@ -466,7 +538,7 @@ def test_device_time_beyond_the_hosts_window_is_split_within_it():
 def test_a_device_clock_whose_events_fail_falls_back_to_host_times():
     """Recording an event fails (no usable CUDA after all): the step trains on, and the
     breakdown is the host's."""
-    from nbtrain.telemetry.timing import DeviceStepClock
+    from nbtrain.telemetry.device_timing import DeviceStepClock
 
     def broken():
         raise RuntimeError("CUDA error: no CUDA-capable device is detected")
@@ -485,7 +557,7 @@ def test_a_device_clock_whose_events_fail_falls_back_to_host_times():
 def test_a_wait_on_a_side_stream_is_not_the_computes():
     """FSDP waits for its all-gathers on its own stream: that stream stands still, not the
     compute, so the wait is neither comm nor taken out of forward."""
-    from nbtrain.telemetry.timing import DeviceStepClock
+    from nbtrain.telemetry.device_timing import DeviceStepClock
 
     device = FakeDevice()
     clock = DeviceStepClock(event=device.event, stream=device.stream)

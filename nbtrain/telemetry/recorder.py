@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .client import TelemetryClient
+from .device_timing import DeviceStepClock
 from .events import Checkpoint, Comm, Evaluation, Memory, Metric, Step
 from .probes import (
     ActivationProbe,
@@ -23,7 +24,7 @@ from .probes import (
     memory_by_category,
 )
 from .settings import Telemetry
-from .timing import DeviceStepClock, StepClock
+from .timing import StepClock
 
 METRIC_BATCH = 16  # ctx.log calls whose accelerator tensors are read back together
 EVALUATION_EVERY_S = 1.0  # an evaluation's progress goes out at most this often
