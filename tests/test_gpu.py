@@ -10,14 +10,17 @@ import importlib.util
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import torch.distributed as dist
 from kernel import Kernel
 from models import fit, reference
 from test_evaluation import N_VAL, train_and_evaluate
+from torch import nn
 from workloads import cpu_and_gpu_collectives, every_train, param_count, single_in_worker, train
 
 import nbtrain
@@ -548,3 +551,103 @@ def test_deepspeed_accumulates_clips_and_checkpoints_on_cuda(tmp_path):
                            dashboard=False)
     for name, value in whole.result["full"].items():
         torch.testing.assert_close(resumed.result["full"][name], value, rtol=1e-3, atol=1e-4)
+
+
+# What a CUDA rank does that only a GPU shows: a model compiled by inductor (Triton
+# kernels) inside a run the clock watches, a failing rank's metrics (its ctx.log tensors
+# are batched on the device and read at the end), a hang in an NCCL collective, and a
+# forked CUDA rank's displays in the launch cell.
+
+def test_an_inductor_compiled_model_trains_on_cuda_as_the_uncompiled_one_and_is_timed():
+    """torch.compile's default backend on the GPU, compiled after ctx.setup (the hooks of
+    the time breakdown inside the compiled call, its CUDA events between graph breaks)."""
+    from workloads import compile_train
+
+    def launch(where):
+        return nbtrain.launch(compile_train, where, "inductor", devices=_ranks(),
+                              accelerator="cuda", strategy="fsdp", dashboard=False)
+
+    plain, compiled = launch(None), launch("after")
+    assert all(r["graphs"] > 0 for r in compiled.results)
+    for name, value in plain.results[0]["full"].items():
+        torch.testing.assert_close(compiled.results[0]["full"][name], value, rtol=1e-4,
+                                   atol=1e-4, msg=name)
+    steps = compiled.history.events("step", 0)
+    assert len(steps) == 8, steps
+    for step in steps[2:]:  # after the compile
+        work = (step.phases["forward"], step.phases["backward"], step.phases["optimizer"])
+        assert min(work) > 0 and sum(step.phases.values()) <= step.duration * 1.01, step
+
+
+def logs_on_cuda_then_fails(ctx):
+    model = ctx.setup(nn.Linear(4, 1))
+    for i in range(5):
+        loss = model(torch.randn(8, 4, device=ctx.device)).pow(2).mean()
+        ctx.log(loss=loss, i=torch.tensor(float(i), device=ctx.device))
+    if ctx.rank == 0:
+        raise ValueError("after logging")
+    return ctx.rank
+
+
+def test_a_failing_cuda_rank_still_sends_what_it_logged():
+    """A CUDA rank's ctx.log tensors wait on the device, to be read together; a rank that
+    fails closes its context, which reads and sends them."""
+    with pytest.raises(nbtrain.WorkerError, match=r"rank 0.*after logging"):
+        nbtrain.launch(logs_on_cuda_then_fails, devices=_ranks(), accelerator="cuda",
+                       dashboard=False)
+    run = nbtrain.last_run()
+    logged = [e.values["i"] for e in run.history.events("metric", 0) if "i" in e.values]
+    assert logged == [0.0, 1.0, 2.0, 3.0, 4.0], logged
+
+
+def hangs_on_nccl(ctx):
+    t = torch.ones(1, device=ctx.device)
+    dist.all_reduce(t)
+    if ctx.rank == 1:
+        time.sleep(3600)
+    dist.all_reduce(t)  # rank 0 waits here for rank 1
+    torch.cuda.synchronize()
+    return ctx.rank
+
+
+@two_gpus
+def test_a_hang_on_nccl_ends_at_the_timeout_saying_where_each_rank_was():
+    """NCCL waits on the device: the waiting rank's host thread is in synchronize, and the
+    timeout still names both ranks and where each one was."""
+    with pytest.raises(nbtrain.RunTimeoutError) as info:
+        nbtrain.launch(hangs_on_nccl, devices=2, accelerator="cuda", timeout=8,
+                       dashboard=False)
+    assert info.value.ranks == [0, 1]
+    where = info.value.where
+    assert "time.sleep(3600)" in where[1], where
+    assert "hangs_on_nccl" in where[0], where
+
+
+DISPLAYS = """
+from IPython.display import HTML, display
+
+def shows(ctx):
+    x = torch.ones(2, device=ctx.device)
+    handle = display(HTML(f"<b>rank {ctx.rank} on {x.device}</b>"), display_id=True)
+    handle.update(HTML(f"<b>rank {ctx.rank} done</b>"))
+    return str(x.device)
+
+run = nbtrain.launch(shows, devices=N, accelerator="cuda", dashboard=False)
+run.start_method, run.results
+"""
+
+
+def test_a_forked_cuda_ranks_display_and_its_update_show_in_the_launch_cell():
+    kernel = Kernel(startup=f"import nbtrain, torch; N = {_ranks()}")
+    try:
+        reply = kernel.run(DISPLAYS)
+        assert reply.error is None, reply.error
+        ranks = range(_ranks())
+        assert reply.results == [repr(("fork", [f"cuda:{r}" for r in ranks]))]
+        shown = sorted(d["text/html"] for d in reply.displays if "text/html" in d)
+        assert shown == [f"<b>rank {r} on cuda:{r}</b>" for r in ranks], reply.displays
+        updates = sorted(c["data"]["text/html"] for kind, c in reply.others
+                         if kind == "update_display_data")
+        assert updates == [f"<b>rank {r} done</b>" for r in ranks], reply.others
+    finally:
+        kernel.shutdown()
