@@ -573,7 +573,7 @@ def test_an_inductor_compiled_model_trains_on_cuda_as_the_uncompiled_one_and_is_
         torch.testing.assert_close(compiled.results[0]["full"][name], value, rtol=1e-4,
                                    atol=1e-4, msg=name)
     steps = compiled.history.events("step", 0)
-    assert len(steps) == 8, steps
+    assert len(steps) == len(plain.history.events("step", 0)), steps
     for step in steps[2:]:  # after the compile
         work = (step.phases["forward"], step.phases["backward"], step.phases["optimizer"])
         assert min(work) > 0 and sum(step.phases.values()) <= step.duration * 1.01, step
