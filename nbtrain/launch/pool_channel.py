@@ -19,7 +19,6 @@ from ..questions import answer_waiting
 from ..wire import Command, DropGroup, Regroup, encode_command
 from .launcher import interrupts_deferred
 from .links import links
-from .pipes import GLOO_START
 from .pool_op import INTERRUPT_GRACE_S, STUCK_S, PoolOp, cell_error
 
 REGROUP_S = 30.0  # at most this long for the ranks to start a new process group
@@ -246,13 +245,10 @@ class PoolChannel:
 
 
 def _quieter(emit):
-    """What ranks write while their group starts again goes to stderr (it is not the
-    cell's output), without gloo's line saying so."""
+    """What ranks write while their group starts again goes to stderr: it is not the
+    cell's output (gloo's line saying so never reaches here: the watch drops it)."""
     def quieter(rank: int, stream: str, line: str) -> None:
-        if stream not in ("out", "err"):  # a display, a bar redrawn in place
-            emit(rank, stream, line)
-        elif not GLOO_START.match(line):
-            emit(rank, "err", line)
+        emit(rank, "err" if stream == "out" else stream, line)
 
     return quieter
 
