@@ -18,8 +18,9 @@ ratio is then T / (T + added).
 
 ``--compile before`` compiles the model before ``ctx.setup`` (the wrapper's hooks stay
 outside the compiled code), ``--compile after`` the model ``ctx.setup`` returns (the
-forward's timing hooks are then inside it, and dynamo breaks the graph at each of its two
-ends to run them): torch's inductor, the launches' first steps (the compile) left out.
+forward's timing hooks are then inside it, and run between its graphs: no graph break for
+them since stop 60, two before): torch's inductor, the launches' first steps (the
+compile) left out.
 
     python benchmarks/telemetry_overhead.py [--steps 200] [--rounds 12] [--modes default]
     python benchmarks/telemetry_overhead.py --steps 20 --rounds 1 --tiny-rounds 1 --tiny-steps 100  # smoke

@@ -10,7 +10,7 @@ waited for on their own stream; the compute's wait for them is a ``wait_event`` 
 sees, so a late prefetch counts in forward or backward). A step's events are read
 once they have completed (``Event.query``), a step or two later, never by a device sync;
 its Step event waits for them (``close``), and the last ones are read at the end. In a
-compiled model the marks are recorded between its graphs, never traced into them.
+compiled model the marks are recorded between its graphs (``timing.outside_graphs``).
 """
 
 from __future__ import annotations
@@ -55,14 +55,6 @@ class DeviceStepClock(StepClock):
             return None
 
     def _mark(self) -> int | None:
-        if torch.compiler.is_compiling():
-            # A hook dynamo traces into a compiled model's graph: an event recorded there
-            # is the graph's op, not this event (on CUDA it stayed unrecorded). Recorded
-            # as the hook runs, between the graphs, where this call breaks them.
-            return _between_graphs()(self)
-        return self._record()
-
-    def _record(self) -> int | None:
         try:
             event = self._free.pop() if self._free else self._event()
             event.record()
@@ -192,18 +184,6 @@ class DeviceStepClock(StepClock):
             self._held.popleft()
             ready.append(made(phases))
         return ready
-
-
-_RECORD_BETWEEN_GRAPHS = None
-
-
-def _between_graphs():
-    """``DeviceStepClock._record``, which dynamo runs as it is, never traces (made at the
-    first compiled step: ``torch.compiler.disable`` imports dynamo)."""
-    global _RECORD_BETWEEN_GRAPHS
-    if _RECORD_BETWEEN_GRAPHS is None:
-        _RECORD_BETWEEN_GRAPHS = torch.compiler.disable(DeviceStepClock._record)
-    return _RECORD_BETWEEN_GRAPHS
 
 
 def _device_phases(marks: list, spans: list[tuple[str, int, int]], duration: float,

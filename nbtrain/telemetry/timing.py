@@ -36,6 +36,17 @@ from torch import nn
 PHASES = ("data", "forward", "backward", "optimizer", "comm", "other")
 
 
+def outside_graphs(hook: Callable) -> Callable:
+    """``hook``, run as it is also where dynamo compiles the call it is in (a model
+    compiled after ctx.setup, a compiled ``optimizer.step``): the call is a graph break
+    there, and the hook runs between the graphs, never traced into one, where a clock
+    read would be the trace's, a CUDA event's ``record`` a graph op that left the event
+    unrecorded (a step failed reading it, on an H200), and dynamo warned of each builtin
+    it could not trace, in every rank's output. Half a microsecond a call; dynamo is
+    imported by then (building an optimizer imports it: launch/warm.py)."""
+    return torch.compiler.disable(hook)
+
+
 def _engine():
     """autograd's engine, whose ``queue_callback`` torch's DDP and FSDP use the same way;
     None where this torch has none (the breakdown then puts the final wait in backward)."""
@@ -60,8 +71,8 @@ class StepClock:
     def watch(self, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Time ``model``'s forward and backward and the optimizers' steps. Call before any
         other step post-hook that reads ``take()`` (post-hooks run in the order added)."""
-        self._hooks.append(model.register_forward_pre_hook(self._forward_start))
-        self._hooks.append(model.register_forward_hook(self._forward_end))
+        self._hooks.append(model.register_forward_pre_hook(outside_graphs(self._forward_start)))
+        self._hooks.append(model.register_forward_hook(outside_graphs(self._forward_end)))
         for opt in optimizers:
             self.watch_optimizer(opt)
 
@@ -70,8 +81,8 @@ class StepClock:
         pre = getattr(optimizer, "register_step_pre_hook", None)
         post = getattr(optimizer, "register_step_post_hook", None)
         if pre is not None and post is not None:
-            self._hooks.append(pre(self._optimizer_start))
-            self._hooks.append(post(self._optimizer_end))
+            self._hooks.append(pre(outside_graphs(self._optimizer_start)))
+            self._hooks.append(post(outside_graphs(self._optimizer_end)))
 
     def install_waits(self) -> None:
         """Time every wait on a collective made from Python: ``Work.wait``, which the
