@@ -272,3 +272,33 @@ def test_a_failing_rank_closes_its_context_so_its_recorder_sends_what_it_held(
     with pytest.raises(nbtrain.WorkerError):
         nbtrain.launch(trains_then_fails, devices=2, start_method="fork", dashboard=False)
     assert (tmp_path / "closed-0").exists()  # rank 0 failed, and closed its context
+
+
+def averages_the_model(ctx):
+    """An EMA of the model as torch's swa_utils keeps one (it deep-copies the model)."""
+    import torch
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ctx.setup(model, opt)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    for _ in range(3):
+        ctx.backward(model(torch.randn(4, 8)).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+        ema.update_parameters(model)
+    with torch.no_grad():
+        return ema(torch.ones(1, 8)).tolist()
+
+
+@pytest.mark.parametrize("telemetry", [True, nbtrain.Telemetry(profile_memory=True)],
+                         ids=["default", "profile_memory"])
+def test_a_watched_model_can_be_deep_copied_for_an_ema(telemetry):
+    """AveragedModel (and timm's, Lightning's EMA) deep-copies the model: with telemetry's
+    hooks bound to its recorder (a lock inside), that failed in every rank with
+    "cannot pickle '_thread.lock' object"."""
+    run = nbtrain.launch(averages_the_model, devices=2, strategy="ddp", telemetry=telemetry,
+                         dashboard=False)
+    assert run.results[0] == run.results[1] and len(run.results[0][0]) == 2, run.results
+    assert [e.step for e in run.history.events("step", 0)] == [0, 1, 2]

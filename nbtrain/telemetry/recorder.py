@@ -24,7 +24,7 @@ from .probes import (
     memory_by_category,
 )
 from .settings import Telemetry
-from .timing import StepClock
+from .timing import StepClock, outside_graphs
 
 METRIC_BATCH = 16  # ctx.log calls whose accelerator tensors are read back together
 EVALUATION_EVERY_S = 1.0  # an evaluation's progress goes out at most this often
@@ -78,8 +78,8 @@ class Recorder:
         if self._optimizers:
             self._optimizers[0].register_step_post_hook(self._after_optimizer_step)
         if self._activations is not None:
-            model.register_forward_pre_hook(self._before_forward)
-            model.register_forward_hook(self._after_forward)
+            model.register_forward_pre_hook(outside_graphs(self._before_forward))
+            model.register_forward_hook(outside_graphs(self._after_forward))
 
     # -- a loop that never touches ctx (integrations/hosting.py) -------------------------------
     def adopt_start(self) -> None:
