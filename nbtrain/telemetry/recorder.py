@@ -76,7 +76,8 @@ class Recorder:
         if self.clock is not None:
             self.clock.watch(model, self._optimizers)
         if self._optimizers:
-            self._optimizers[0].register_step_post_hook(self._after_optimizer_step)
+            self._optimizers[0].register_step_post_hook(
+                outside_graphs(self._after_optimizer_step))
         if self._activations is not None:
             model.register_forward_pre_hook(outside_graphs(self._before_forward))
             model.register_forward_hook(outside_graphs(self._after_forward))

@@ -21,7 +21,6 @@ step passes, on the rank's own clock (a CUDA rank's, from CUDA events: ``device_
 
 Costs a few Python calls per forward, backward and optimizer step, and one per wait on a
 collective; no device synchronisation.
-
 """
 
 from __future__ import annotations
