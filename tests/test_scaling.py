@@ -98,17 +98,32 @@ def wide(ctx, batch: int = 8, steps: int = 12):
         opt.zero_grad()
 
 
-def test_scaling_a_model_that_loses_on_two_ranks_says_so():
+def test_scaling_runs_one_rank_beside_n_and_its_verdict_reads_what_they_measured():
+    """The real run asserts what is deterministic: one rank beside two, the speed-up made
+    of the two runs' measured step times, and the verdict the one that those measurements
+    give (the verdict's logic is tested above, with the measurements it is given). Whether
+    two CPU ranks lose to one on a shared 2-core machine is a wall-clock outcome: it was
+    ~0.4 on a quiet one and 1.015 on a fresh CI machine."""
     run = nbtrain.scaling(wide, devices=2, accelerator="cpu", dashboard=False)
     assert run.world_size == 2 and run.baseline.world_size == 1
-    summary = run.summary()
-    assert summary.scaling is not None and summary.scaling.speedup < 1  # measured ~0.4
-    assert "slower than one" in summary.verdict
-    assert summary.remedies[0].startswith("a larger batch per rank")
-    assert summary.verdict in str(summary) and "What would help" in summary.advice
+    summary, baseline = run.summary(), run.baseline.summary()
+    scaling = summary.scaling
+    assert scaling is not None and scaling.world_size == 2
+    assert scaling.step_time == summary.step_time > 0
+    assert scaling.baseline_step_time == baseline.step_time > 0
+    assert [r.steps for r in summary.ranks] == [12, 12] and baseline.ranks[0].steps == 12
+    data = [r.share("data") for r in summary.ranks if r.share("data") is not None]
+    sentence, remedies = verdict(2, summary.comm_share, max(data, default=None), scaling,
+                                 DDP_FEWER)
+    assert (summary.verdict, summary.remedies) == (sentence, remedies)
+    assert sentence.startswith("2 ranks were slower than one" if scaling.speedup < 1
+                               else "2 ranks gave"), sentence
+    if remedies:
+        assert summary.verdict in str(summary) and "What would help" in summary.advice
     # compare() of the two runs says the same
     notes = nbtrain.compare(run.baseline, run, display=False).scaling_notes()
-    assert len(notes) == 1 and "slower than one" in notes[0]
+    assert len(notes) == 1, notes
+    assert ("slower than one" in notes[0]) == (scaling.speedup < 1), (notes, scaling)
 
 
 def test_scaling_needs_several_devices():
