@@ -22,8 +22,9 @@ SMALL = {
     "spawn_breakdown.py": ("--repeats 1", "first optimizer"),
     "telemetry_overhead.py": ("--steps 20 --rounds 1 --tiny-rounds 1 --tiny-steps 100 "
                               "--strategies ddp", "paired ratio to off"),
-    "gpu_table.py": ("--accelerator cpu --width 64 --depth 1 --batch 2 --seq 16 --steps 3",
-                     "FULL_SHARD + AC"),
+    # two of its seven rows: each row is one launch of the same code with another strategy
+    "gpu_table.py": ("--accelerator cpu --width 64 --depth 1 --batch 2 --seq 16 --steps 3 "
+                     "--rows DDP 'FULL_SHARD + AC'", "FULL_SHARD + AC"),
     "dashboard_overhead.py": ("--steps 60 --repeats 1", "ratio (live/off)"),
     "memory_ladder.py": ("--steps 5 --width 64 --depth 1 --batch 8", "fsdp_grad_op"),
     "pool.py": ("--repeats 1", "pool.launch call->step"),

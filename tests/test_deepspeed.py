@@ -3,7 +3,7 @@ each stage (offload included, with a torch optimizer: nothing compiled) trains m
 built from configs to the weights one process gets; bf16 close to fp32; the user's own
 config merged over nbtrain's; accumulation, clipping and checkpoints (to and from the
 other strategies and a plain model) as under fsdp; what DeepSpeed cannot do says why;
-and in a real kernel, ten launches in a row leave no process and no file in
+and in a real kernel, launches in a row leave no process and no file in
 /dev/shm."""
 
 from __future__ import annotations
@@ -233,7 +233,9 @@ def test_what_deepspeed_cannot_do_says_why(what, options, message):
                        dashboard=False)
 
 
-def test_ten_launches_in_a_kernel_leave_nothing(kernel_clean):
+def test_launches_again_and_again_in_a_kernel_leave_nothing(kernel_clean):
+    """Each stage launched twice in one kernel (a second launch finds whatever the first
+    left: it was ten launches, 57 s of CI, for what the second of each already shows)."""
     shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     kernel_clean.run(
         "import sys, torch, nbtrain\n"
@@ -241,14 +243,14 @@ def test_ten_launches_in_a_kernel_leave_nothing(kernel_clean):
         "from models import fit, reference\n"
         "runs = [nbtrain.launch(fit, 'gpt2', steps=2, devices=2, accelerator='cpu',\n"
         "                      strategy=s, dashboard=False)\n"
-        "        for s in ['deepspeed_stage_3', 'deepspeed_stage_2_offload'] * 5]\n"
+        "        for s in ['deepspeed_stage_3', 'deepspeed_stage_2_offload'] * 2]\n"
         "ref = reference('gpt2', steps=2)['full']\n"
         "same = [all(torch.allclose(r.result['full'][k], v, rtol=1e-4, atol=1e-5)\n"
         "            for k, v in ref.items()) for r in runs]\n",
         timeout=600)
-    assert kernel_clean.value("[r.status for r in runs]") == ["done"] * 10
+    assert kernel_clean.value("[r.status for r in runs]") == ["done"] * 4
     # the weights one process gets, every time
-    assert kernel_clean.value("same") == [True] * 10
+    assert kernel_clean.value("same") == [True] * 4
     left = (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) - shm
     assert not left, f"files left in /dev/shm: {sorted(left)}"
 
