@@ -109,6 +109,50 @@ function retire(context) {
     }
   }
 }
+// A page that loads while the kernel lives restores its widget models from the kernel.
+// JupyterLab's widget manager can mark itself restored before the models arrive (a first
+// restore on a kernel connection that does not handle comms yet returns nothing, on a slow
+// machine while the page still loads: measured on 2 cores under load), and every widget
+// output rendered in that window says "model not found" for good, though the models come
+// a moment later with the restore that brought this keeper. So each time the manager is
+// restored (and when this keeper arrives) every nbtrain widget output whose model is here
+// and shows in no view is drawn again, from the same output.
+const HEALED = Symbol.for("nbtrain.heal");
+async function heal(model) {
+  const manager = model.widget_manager;
+  const context = manager && manager.context;
+  const cells = context && context.model && context.model.cells;
+  if (!cells || !manager.has_model) return;
+  for (let c = 0; c < cells.length; c++) {
+    const outputs = cells.get(c).outputs;
+    if (!outputs) continue;
+    for (let i = 0; i < outputs.length; i++) {
+      const output = outputs.get(i);
+      const view = output && output.data && output.data[WIDGET];
+      if (!view || !view.model_id || !((output.metadata || {})[KEY])) continue;
+      if (!manager.has_model(view.model_id)) continue;
+      const widget = await manager.get_model(view.model_id);
+      if (widget && widget.views && Object.keys(widget.views).length) continue;  // shown
+      const again = outputs.get(i);
+      if (again === output) {  // unchanged meanwhile: the same output, drawn anew
+        outputs.set(i, {output_type: "display_data", metadata: output.metadata,
+                        data: output.data});
+      }
+    }
+  }
+}
+function watchRestores(model) {
+  const manager = model.widget_manager;
+  const run = () => heal(model).catch(
+    (err) => console.warn("nbtrain: could not draw a widget again:", err));
+  // the renderers of this page's outputs may still be waiting for the model: a moment
+  run();
+  setTimeout(run, 1500);
+  if (manager && manager.restored && manager.restored.connect && !manager[HEALED]) {
+    manager[HEALED] = true;  // once per page and notebook
+    manager.restored.connect(() => setTimeout(run, 500));
+  }
+}
 const WATCHED = Symbol.for("nbtrain.retire");
 function watch(model) {
   const context = model.widget_manager && model.widget_manager.context;
@@ -126,6 +170,7 @@ export default {
     run();
     model.on("change:outputs", run);
     watch(model);
+    watchRestores(model);
   },
 };
 """

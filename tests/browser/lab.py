@@ -36,6 +36,31 @@ def missing() -> str | None:
     return None
 
 
+STACK = ("jupyterlab", "notebook", "jupyter_server", "ipykernel", "ipywidgets",
+         "jupyterlab_widgets", "widgetsnbextension", "anywidget", "jupyter_client", "pyzmq",
+         "tornado", "playwright")
+
+
+def versions() -> str:
+    """The browser and the Jupyter stack this test drives: what a failure names."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in STACK:
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            pass
+    browser = "no Chromium"
+    if CHROMIUM:
+        try:
+            browser = subprocess.run([CHROMIUM, "--version"], capture_output=True, text=True,
+                                     timeout=30).stdout.strip() or browser
+        except (OSError, subprocess.SubprocessError) as err:
+            browser = f"{CHROMIUM}: {err}"
+    return f"{browser}; " + ", ".join(found)
+
+
 def write_notebook(path: Path, cells: list[str]) -> None:
     nb = {"cells": [{"cell_type": "code", "metadata": {}, "source": src, "outputs": [],
                      "execution_count": None} for src in cells],

@@ -38,8 +38,10 @@ if _missing():
     pytest.skip(f"the classic Notebook test {_missing()}", allow_module_level=True)
 
 SHOTS = Path(__file__).parent / "screenshots"
-SLOW = ("import time, torch, nbtrain\n"
-        "def slow(ctx, steps=60, pause=0.1):\n"
+# ``until``: a file whose existence ends the run (the reload must find it still live)
+FLAG = "stop-background-run"
+SLOW = ("import os, time, torch, nbtrain\n"
+        "def slow(ctx, steps=60, pause=0.1, until=None):\n"
         "    torch.manual_seed(0)\n"
         "    model = torch.nn.Linear(8, 8)\n"
         "    opt = torch.optim.Adam(model.parameters())\n"
@@ -50,10 +52,13 @@ SLOW = ("import time, torch, nbtrain\n"
         "        ctx.backward(loss)\n"
         "        opt.step(); opt.zero_grad()\n"
         "        ctx.log(loss=loss)\n"
-        "        time.sleep(pause)\n")
+        "        time.sleep(pause)\n"
+        "        if until and os.path.exists(until):\n"
+        "            return\n")
 CELLS = [SLOW,
          "run = nbtrain.launch(slow, devices=2, accelerator='cpu', steps=40)",
-         "bg = nbtrain.launch(slow, devices=2, accelerator='cpu', steps=150, background=True)"]
+         "bg = nbtrain.launch(slow, devices=2, accelerator='cpu', steps=3000, "
+         f"until={FLAG!r}, background=True)"]
 READY = ("() => window.Jupyter && Jupyter.notebook && Jupyter.notebook.kernel && "
          "Jupyter.notebook.kernel.is_connected()")
 # What a cell's output holds: its plotly figures, the traces with data of the first, whether
@@ -135,6 +140,7 @@ def test_the_classic_notebook_with_ipywidgets_7(no_leftovers, tmp_path):
         assert again["live"] and again["points"] > before["points"], (before, again)
         assert "rank 1: running" in again["text"]
         page.screenshot(path=str(SHOTS / "classic_reloaded_live.png"), full_page=True)
+        (tmp_path / FLAG).touch()  # the run ends
         # at its end, the static figure takes its place in the reloaded page too
         ended = _wait_for(page, 2, lambda c: "rank 1: done" in c["text"] and not c["live"],
                           timeout=90)
