@@ -115,8 +115,8 @@ function retire(context) {
 // machine while the page still loads: measured on 2 cores under load), and every widget
 // output rendered in that window says "model not found" for good, though the models come
 // a moment later with the restore that brought this keeper. So each time the manager is
-// restored (and when this keeper arrives) every nbtrain widget output whose model is here
-// and shows in no view is drawn again, from the same output.
+// restored (when this keeper arrives, and whenever it brings outputs) every nbtrain widget
+// output whose model is here and shows in no view is drawn again, from the same output.
 const HEALED = Symbol.for("nbtrain.heal");
 async function heal(model) {
   const manager = model.widget_manager;
@@ -141,16 +141,16 @@ async function heal(model) {
     }
   }
 }
+const healing = (model) => heal(model).catch(
+  (err) => console.warn("nbtrain: could not draw a widget again:", err));
 function watchRestores(model) {
   const manager = model.widget_manager;
-  const run = () => heal(model).catch(
-    (err) => console.warn("nbtrain: could not draw a widget again:", err));
   // the renderers of this page's outputs may still be waiting for the model: a moment
-  run();
-  setTimeout(run, 1500);
+  healing(model);
+  setTimeout(() => healing(model), 1500);
   if (manager && manager.restored && manager.restored.connect && !manager[HEALED]) {
     manager[HEALED] = true;  // once per page and notebook
-    manager.restored.connect(() => setTimeout(run, 500));
+    manager.restored.connect(() => setTimeout(() => healing(model), 500));
   }
 }
 const WATCHED = Symbol.for("nbtrain.retire");
@@ -168,7 +168,7 @@ export default {
     const run = () => apply(model).catch(
       (err) => console.warn("nbtrain: could not bring an output up to date:", err));
     run();
-    model.on("change:outputs", run);
+    model.on("change:outputs", () => run().then(() => healing(model)));
     watch(model);
     watchRestores(model);
   },

@@ -374,3 +374,34 @@ def test_a_run_live_at_a_kernel_restart_keeps_its_last_snapshot(no_leftovers, tm
         assert not kept["live"] and "model not found" not in kept["text"], kept
         assert max(_lines(page, 1), default=0) > 30, _lines(page, 1)
         _shot(page, 1, "snapshot_after_restart.png")
+
+
+def test_a_widget_output_that_said_model_not_found_is_drawn_once_its_model_is_here(
+        no_leftovers, tmp_path):
+    """What a slow page's restore does, made on purpose: an nbtrain widget output is drawn
+    before its model reaches the page, so the widget manager says "model not found" and
+    never draws it again. The keeper draws it again once the model is there (here when it
+    next brings outputs; after a reload, when the restore that brought it is done)."""
+    cells = [
+        "import uuid, ipywidgets\nfrom IPython.display import display\n"
+        "from nbtrain.ui import keeper\n"
+        "keeper.keeper()\n"  # its module runs in the page
+        "mid = uuid.uuid4().hex\n"
+        "display({'application/vnd.jupyter.widget-view+json': {'version_major': 2,\n"
+        "         'version_minor': 0, 'model_id': mid}, 'text/plain': 'a widget'},\n"
+        "        raw=True, metadata={keeper.KEY: {'slot': 'late', 'version': 0}})",
+        "w = ipywidgets.HTML('drawn again', model_id=mid)\n"
+        "keeper.keep({'other': {'output_type': 'display_data', 'data': {'text/plain': ''},\n"
+        "                       'metadata': {}}})",
+    ]
+    lab.write_notebook(tmp_path / "late.ipynb", cells)
+    with lab.server(tmp_path, "late.ipynb") as url, lab.browser() as page:
+        lab.open_notebook(page, url)
+        lab.run_cell(page, 0)
+        lab.wait_idle(page, 0)
+        lost = _wait_for(page, 0, lambda c: "model not found" in c["text"])
+        assert "model not found" in lost["text"], lost["text"]  # the manager's verdict
+        lab.run_cell(page, 1)
+        lab.wait_idle(page, 1)
+        drawn = _wait_for(page, 0, lambda c: "drawn again" in c["text"])
+        assert "drawn again" in drawn["text"] and "model not found" not in drawn["text"], drawn
