@@ -142,7 +142,8 @@ def test_failure_shows_in_the_view_then_raises(setup, kernel_clean):
 def test_a_run_shown_on_its_own_displays_its_summary(setup):
     msgs, _ = messages(setup, "run")
     shown = [m["content"]["data"] for m in msgs if m["msg_type"] == "display_data"]
-    assert any(PLOTLY_MIME in d for d in shown)
+    assert any(PLOTLY_MIME in d for d in shown), (_errors(msgs), [list(d) for d in shown],
+                                                   [m["msg_type"] for m in msgs])
     assert any("done" in d.get("text/html", "") for d in shown)
     summary = setup.run("print(run.summary())").stdout
     assert "comm %" in summary and "where a step's" in summary, summary

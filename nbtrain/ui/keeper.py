@@ -93,9 +93,11 @@ async function apply(model) {
 // static outputs after it (the picker's twin, a run's snapshot) then stand alone.
 const WIDGET = "application/vnd.jupyter.widget-view+json";
 const GONE = ["restarting", "autorestarting", "dead"];
-function retire(context) {
-  const cells = context.model && context.model.cells;
-  if (!cells) return;
+// Each nbtrain widget output of the notebook, as [outputs, index, output, view].
+function widgetOutputs(context) {
+  const found = [];
+  const cells = context && context.model && context.model.cells;
+  if (!cells) return found;
   for (let c = 0; c < cells.length; c++) {
     const outputs = cells.get(c).outputs;
     if (!outputs) continue;
@@ -103,41 +105,37 @@ function retire(context) {
       const output = outputs.get(i);
       const view = output && output.data && output.data[WIDGET];
       if (view && view.model_id && ((output.metadata || {})[KEY])) {
-        outputs.set(i, {output_type: "display_data", metadata: output.metadata,
-                        data: {[WIDGET]: {...view, model_id: ""}, "text/plain": ""}});
+        found.push([outputs, i, output, view]);
       }
     }
   }
+  return found;
 }
-// A page that loads while the kernel lives restores its widget models from the kernel.
-// JupyterLab's widget manager can mark itself restored before the models arrive (a first
-// restore on a kernel connection that does not handle comms yet returns nothing, on a slow
-// machine while the page still loads: measured on 2 cores under load), and every widget
-// output rendered in that window says "model not found" for good, though the models come
-// a moment later with the restore that brought this keeper. So each time the manager is
-// restored (when this keeper arrives, and whenever it brings outputs) every nbtrain widget
-// output whose model is here and shows in no view is drawn again, from the same output.
+function retire(context) {
+  for (const [outputs, i, output, view] of widgetOutputs(context)) {
+    outputs.set(i, {output_type: "display_data", metadata: output.metadata,
+                    data: {[WIDGET]: {...view, model_id: ""}, "text/plain": ""}});
+  }
+}
+// A page loaded while the kernel lives (a reload) restores every widget model from the
+// kernel in one go, then spends its main thread creating them (plotly.js's module among
+// them). A renderer that began waiting for its model before that waits 2 s in 100 ms
+// sleeps and gives up without a last look: when its last sleep spans the busy second, the
+// model arrives and the restore ends meanwhile, and the renderer says "model not found"
+// for good (a slow machine's reload, every time). So after each restore, when this keeper
+// arrives and whenever it brings outputs, every nbtrain widget output whose model is here
+// and shows in no view is drawn again, from the same output.
 const HEALED = Symbol.for("nbtrain.heal");
 async function heal(model) {
   const manager = model.widget_manager;
-  const context = manager && manager.context;
-  const cells = context && context.model && context.model.cells;
-  if (!cells || !manager.has_model) return;
-  for (let c = 0; c < cells.length; c++) {
-    const outputs = cells.get(c).outputs;
-    if (!outputs) continue;
-    for (let i = 0; i < outputs.length; i++) {
-      const output = outputs.get(i);
-      const view = output && output.data && output.data[WIDGET];
-      if (!view || !view.model_id || !((output.metadata || {})[KEY])) continue;
-      if (!manager.has_model(view.model_id)) continue;
-      const widget = await manager.get_model(view.model_id);
-      if (widget && widget.views && Object.keys(widget.views).length) continue;  // shown
-      const again = outputs.get(i);
-      if (again === output) {  // unchanged meanwhile: the same output, drawn anew
-        outputs.set(i, {output_type: "display_data", metadata: output.metadata,
-                        data: output.data});
-      }
+  if (!manager || !manager.has_model) return;
+  for (const [outputs, i, output, view] of widgetOutputs(manager.context)) {
+    if (!manager.has_model(view.model_id)) continue;
+    const widget = await manager.get_model(view.model_id);
+    if (widget && widget.views && Object.keys(widget.views).length) continue;  // shown
+    if (outputs.get(i) === output) {  // unchanged meanwhile: the same output, drawn anew
+      outputs.set(i, {output_type: "display_data", metadata: output.metadata,
+                      data: output.data});
     }
   }
 }
