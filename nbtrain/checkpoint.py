@@ -20,8 +20,9 @@ Two formats:
   unsharded state; ``torch.load`` reads it anywhere.
 
 Both are written to a temporary name and moved into place when complete, so an
-interrupted save leaves the previous checkpoint intact. The fp16 loss scale is not part
-of a checkpoint (it re-calibrates in a few steps).
+interrupted save leaves the previous checkpoint intact. The fp16 loss scale is part of
+``ctx.checkpoint_every``'s (``resume.py``), not of a ``ctx.save`` of your own (it
+re-calibrates within a few steps).
 """
 
 from __future__ import annotations

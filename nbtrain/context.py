@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import Dataset
 
-from .loader import DeviceLoader, ResumableSampler
+from .accumulate import Accumulator
+from .loader import DeviceLoader, shard_loader
 from .resume import Checkpointer, default_path
 from .strategies.precision import ScaledOptimizer, unwrap
-from .telemetry.recorder import Recorder
+from .telemetry.recorder import Recorder, report_checkpoint, samples_given
 
 if TYPE_CHECKING:
     from .spec import WorkerSpec
@@ -54,7 +55,11 @@ class Context:
         self.device = (torch.device("cuda", spec.device_index) if spec.accelerator == "cuda"
                        else torch.device("cpu"))
         self._recorder = (Recorder(self.rank, self.device, telemetry, spec.telemetry)
-                          if telemetry is not None else None)
+                          if telemetry is not None and spec.telemetry.enabled else None)
+        # With telemetry off, a restart still needs to hear of checkpoints: the client
+        # carries those reports alone (launch(max_restarts=...) connects it).
+        self._reports = telemetry if self._recorder is None else None
+        self._accumulators: list[Accumulator] = []  # ctx.accumulate's, in phase or not
         self._scaler = None
         self._skipped = 0  # fp16 steps the loss scaler skipped
         self._model: nn.Module | None = None  # the model ctx.setup returned last
@@ -181,6 +186,16 @@ class Context:
         """fp16: optimizer steps the loss scaler skipped so far (inf or nan gradients)."""
         return self._skipped
 
+    def _own_state(self) -> dict[str, Any]:
+        """What of ctx a restart goes on with: fp16's loss scale and the skipped steps."""
+        return {"scaler": self._scaler.state_dict() if self._scaler is not None else None,
+                "skipped": self._skipped}
+
+    def _restore_own_state(self, state: dict[str, Any]) -> None:
+        if state.get("scaler") and self._scaler is not None:
+            self._scaler.load_state_dict(state["scaler"])
+        self._skipped = state.get("skipped", 0)
+
     def _step_skipped(self, optimizer: torch.optim.Optimizer) -> None:
         self._skipped += 1
         if self._recorder is not None:
@@ -212,7 +227,9 @@ class Context:
         """
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"ctx.accumulate(model, steps={steps!r}): give an int >= 1.")
-        return Accumulator(self, model, steps)
+        acc = Accumulator(functools.partial(self.no_backward_sync, model), steps)
+        self._accumulators.append(acc)
+        return acc
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0,
                         optimizer=None) -> torch.Tensor:
@@ -234,19 +251,32 @@ class Context:
         return self.strategy.clip_grad_norm_(model, max_norm, norm_type)
 
     # -- checkpoints --------------------------------------------------------------------
-    def save(self, path: str | os.PathLike, state: dict[str, Any], full: bool = False) -> None:
+    def save(self, path: str | os.PathLike, state: dict[str, Any], full: bool = False,
+             resume: bool = False) -> None:
         """Save ``state`` (e.g. ``{"model": model, "optimizer": opt, "step": step}``).
 
         Sharded by default: a directory where each rank writes its own shards (torch's
         distributed checkpoint); ``full=True``: one file with the gathered state, written
         by rank 0. Either loads into any strategy and world size, and in the notebook
         with ``nbtrain.checkpoint.load``. Every rank must call it.
+
+        ``resume=True``: a restart (``launch(max_restarts=...)``) may go on from this
+        save: it holds what the function loads from ``ctx.resume_from`` to go on (its
+        step too). Other saves (a best model, an export) never become a restart's point;
+        ``ctx.checkpoint_every``'s always are.
         """
         from . import checkpoint
 
         checkpoint.save(path, state, full=full, models=self._model_of)
-        if self._recorder is not None:  # a restart goes on from here
-            self._recorder.checkpoint(self.step, os.path.abspath(path), report=self.rank == 0)
+        self._saved(os.path.abspath(path), resume)
+
+    def _saved(self, path: str, resumes: bool) -> None:
+        """Every rank wrote the checkpoint at ``path``: rank 0 tells the kernel."""
+        if self._recorder is not None:
+            self._recorder.checkpoint(self.step, path, report=self.rank == 0,
+                                      resumes=resumes)
+        elif self._reports is not None and self.rank == 0 and resumes:
+            report_checkpoint(self._reports, self.step, path, resumes)
 
     def load(self, path: str | os.PathLike, state: dict[str, Any],
              strict: bool = True) -> dict[str, Any]:
@@ -280,7 +310,10 @@ class Context:
         keeper = Checkpointer.begin(steps, path or default_path(self._function,
                                                                 self._kernel_pid),
                                     state, self._loaders, self.rank, self.device,
-                                    self.save, self.load)
+                                    functools.partial(self.save, resume=True), self.load,
+                                    in_phase=lambda: all(a.in_phase
+                                                         for a in self._accumulators),
+                                    ctx_state=(self._own_state, self._restore_own_state))
         self._checkpoints = keeper
         state = keeper.resume(self.resume_from)
         if keeper.start:
@@ -310,24 +343,10 @@ class Context:
         Lightning). ``kwargs`` go to ``DataLoader`` (``num_workers``, ``collate_fn``, ...).
         A pass begun after ``model.eval()`` evaluates: its batches are no training steps;
         ``loader.gather(values)`` puts the ranks' per-sample values together."""
-        if isinstance(dataset, IterableDataset):
-            raise TypeError("ctx.dataloader shards map-style datasets (with __len__ and "
-                            "__getitem__). For an IterableDataset, yield every "
-                            "ctx.world_size-th item starting at ctx.rank and wrap it in "
-                            "torch.utils.data.DataLoader yourself.")
-        if "sampler" in kwargs or "batch_sampler" in kwargs:
-            raise ValueError("ctx.dataloader makes its own DistributedSampler; drop sampler=/"
-                             "batch_sampler=, or build your own DataLoader.")
-        if seed is None:
-            seed = self._data_seed
-        elif isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"ctx.dataloader(seed={seed!r}): give an int, the same on every "
-                            "rank (or leave it out to use launch(seed=...)).")
-        sampler = ResumableSampler(dataset, num_replicas=self.world_size, rank=self.rank,
-                                   shuffle=shuffle, seed=seed, drop_last=drop_last)
         kwargs.setdefault("pin_memory", self.device.type == "cuda")
-        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                            drop_last=drop_last, **kwargs)
+        loader, sampler = shard_loader(dataset, self.rank, self.world_size, batch_size,
+                                       shuffle, drop_last,
+                                       self._data_seed if seed is None else seed, **kwargs)
         made = DeviceLoader(
             loader, sampler, self.device, on_batch=self._on_batch,
             on_data_time=self._data_clock(), on_epoch_end=self._on_epoch_end,
@@ -379,7 +398,13 @@ class Context:
         """Record scalar metrics for this rank at the current step (a typed event).
 
         Tensors may stay on the GPU: they are read back in batches, not one sync per call.
+        ``samples=n``: the samples this rank's step trains on (a loop without
+        ``ctx.dataloader``, which counts them itself): throughput and scaling are then
+        measured in samples, not steps.
         """
+        samples = samples_given(metrics.pop("samples", None))
+        if samples and self._recorder is not None:
+            self._recorder.count_samples(samples)
         if not metrics or self._recorder is None:
             return
         self._recorder.log(self.step, metrics)
@@ -398,28 +423,3 @@ class Context:
             kwargs.setdefault("flush", True)
             builtins.print(*args, **kwargs)
 
-
-class Accumulator:
-    """``with acc:`` around each micro-step's forward and backward; ``acc.ready`` is
-    True after the micro-step that synchronised the gradients (time to step)."""
-
-    def __init__(self, ctx: Context, model: nn.Module, steps: int):
-        self.ctx, self.model, self.steps = ctx, model, steps
-        self.micro_steps = 0
-        self._block = None
-
-    @property
-    def ready(self) -> bool:
-        return self.micro_steps > 0 and self.micro_steps % self.steps == 0
-
-    def __enter__(self) -> Accumulator:
-        last = (self.micro_steps + 1) % self.steps == 0
-        self._block = self.ctx.no_backward_sync(self.model, enabled=not last)
-        self._block.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        block, self._block = self._block, None
-        block.__exit__(*exc)
-        if exc[0] is None:
-            self.micro_steps += 1

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from .strategies.norms import sync_statistics
 
@@ -226,6 +226,27 @@ class DeviceLoader:
         out = values.new_empty((len(sampler.dataset), *values.shape[1:]))
         out[torch.cat(where)] = torch.cat(parts)  # a repeated sample: either copy, the same
         return out
+
+
+def shard_loader(dataset, rank: int, world_size: int, batch_size: int, shuffle: bool,
+                 drop_last: bool, seed: int, **kwargs) -> tuple[DataLoader, ResumableSampler]:
+    """``ctx.dataloader``'s DataLoader over this rank's shard of ``dataset``, and its
+    sampler; what it cannot shard is told so."""
+    if isinstance(dataset, IterableDataset):
+        raise TypeError("ctx.dataloader shards map-style datasets (with __len__ and "
+                        "__getitem__). For an IterableDataset, yield every "
+                        "ctx.world_size-th item starting at ctx.rank and wrap it in "
+                        "torch.utils.data.DataLoader yourself.")
+    if "sampler" in kwargs or "batch_sampler" in kwargs:
+        raise ValueError("ctx.dataloader makes its own DistributedSampler; drop sampler=/"
+                         "batch_sampler=, or build your own DataLoader.")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"ctx.dataloader(seed={seed!r}): give an int, the same on every "
+                        "rank (or leave it out to use launch(seed=...)).")
+    sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank,
+                               shuffle=shuffle, seed=seed, drop_last=drop_last)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+                      **kwargs), sampler
 
 
 def _batch_size(batch: Any) -> int:

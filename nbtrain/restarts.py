@@ -1,24 +1,31 @@
 """``launch(..., max_restarts=N)``: which endings of an attempt a restart may cure, and
 what a run remembers of its attempts.
 
-Retried: a rank killed by a signal (the OOM killer's SIGKILL, a preempted process), a
-rank that exited without returning, a rank that never joined its process group, and an
-attempt whose only failures are communication errors (a collective that timed out, a
-peer's death seen from afar). Not retried: an exception raised by the user's code (it
-would raise again), ranks that ran different collectives (a native abort on a collective
+Retried: a rank killed from outside (the OOM killer's SIGKILL, a preempted process's
+SIGTERM, NCCL's watchdog abort), a rank that exited without returning, a rank that never
+joined its process group, and an attempt whose only failures are communication errors
+(a collective that timed out, a peer's death seen from afar). Not retried: an exception
+raised by the user's code (it would raise again), a crash in native code (SIGSEGV,
+SIGBUS, SIGILL, SIGFPE: the rank's own code faulted, and a restart replays the same
+steps on the same data with the same random streams, so a crash of the code recurs where
+it was; a flaky driver's is the rare exception, and a retry would triple the wait for
+the traceback), ranks that ran different collectives (a native abort on a collective
 mismatch, a collective that outlived its peers' return: the code would do it again),
-``run.stop()`` or an interrupt, the run's own ``timeout=``, and a failure of nbtrain
-itself.
+``run.stop()`` or an interrupt, the run's own ``timeout=`` (it bounds the whole run,
+restarts included), and a failure of nbtrain itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from .errors import COLLECTIVE_MISMATCH
 from .wire import Outcome, first_line
 
 RETRIED_TYPES = ("WorkerExit", "StartTimeout")
+CRASHES = ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE")  # the rank's own code, in native code
 
 
 @dataclass(frozen=True)
@@ -36,12 +43,58 @@ class Attempt:
         return f"attempt {self.number} ended{at}: {self.cause}; {then}"
 
 
+@dataclass
+class Restarts:
+    """A run's restarts: ``start(points, announce)`` starts the next attempt (the launch's
+    backend, again), at most ``most`` times; ``points`` are the checkpoints a restart may
+    go on from, oldest first (``checkpoint_every``'s, ``ctx.save(..., resume=True)``'s)."""
+
+    start: Callable | None = None
+    most: int = 0
+    attempts: list[Attempt] = field(default_factory=list)
+    points: list[str] = field(default_factory=list)
+
+    def next(self, outcome: Outcome, deadline: float | None,
+             announce: Callable[[str, str | None], None]):
+        """The next attempt's ``(outcome, cleanup)``, started, when this one's ending is
+        one a restart may cure, restarts are left and ``deadline`` (``timeout=``, which
+        bounds the whole run) has not passed; else None. ``announce(cause, resume)``
+        before its ranks start."""
+        if self.start is None or len(self.attempts) >= self.most:
+            return None
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        cause = retry_cause(outcome)
+        if cause is None:
+            return None
+        return self.start(list(self.points), lambda resume: announce(cause, resume))
+
+    def record(self, cause: str, step: int | None, resume: str | None) -> Attempt:
+        attempt = Attempt(len(self.attempts) + 1, cause, step, resume)
+        self.attempts.append(attempt)
+        return attempt
+
+
+def collective_timeout(timeout: float | None, max_restarts: int) -> float:
+    """Seconds a rank's collective may wait before its process group ends it (the
+    group's timeout). 600 s (torch's NCCL default) with no ``timeout=``; within one, a
+    share that leaves the restarts their time: ``timeout / (max_restarts + 1)``, at least
+    60 s (a first collective behind a slow model build or an evaluation on rank 0 is not
+    a hang) and at most 600 s. Without restarts, ``timeout=`` itself (at least 60 s): the
+    run's own timeout then says where each rank was."""
+    if not timeout:
+        return 600.0
+    if not max_restarts:
+        return max(60.0, timeout)
+    return min(600.0, max(60.0, timeout / (max_restarts + 1)))
+
+
 def retry_cause(outcome: Outcome) -> str | None:
     """Why the attempt's ranks ended, when a restart may cure it; None otherwise."""
     if outcome.crash is not None or outcome.teardown_cause in ("stop", "timeout", "remote"):
         return None
     root = outcome.root_failure()
-    if root is None or COLLECTIVE_MISMATCH.search(root.message):
+    if root is None or COLLECTIVE_MISMATCH.search(root.message) or root.exc_type in CRASHES:
         return None
     if root.exc_type.startswith("SIG") or root.exc_type in RETRIED_TYPES or root.secondary:
         said = first_line(root.message)  # rank first, once

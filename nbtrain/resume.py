@@ -3,9 +3,10 @@
 Every ``every`` training steps, at the boundary between two steps, every rank saves the
 state it was given (models, optimizers, plain values) through ``ctx.save``'s sharded
 path, together with what makes the next steps the same ones: the number of steps done,
-where ``ctx.dataloader``'s loader is (epoch and batch) and this rank's random streams
-(torch's CPU and CUDA generators, Python's ``random``, numpy's). The last two are this
-rank's own, so each rank writes them under a key of its own.
+where ``ctx.dataloader``'s loader is (epoch and batch), this rank's random streams
+(torch's CPU and CUDA generators, Python's ``random``, numpy's) and fp16's loss scale
+(the scaler ctx made). The last three are this rank's own, so each rank writes them under
+a key of its own.
 
 When the launch goes on from a checkpoint (a restart under ``max_restarts``,
 ``launch(resume=...)``, or torchrun's agent starting the ranks again, which finds it in
@@ -15,11 +16,14 @@ and optimizers in place, the step, the loader's position (a loop over
 already done empty; the saved epoch goes on without loading the batches before the
 saved one), and, at the first step boundary, the random streams. Losses after a restart
 are then an uninterrupted run's, on the same number of ranks; not replayed exactly:
-random transforms inside DataLoader worker processes (``num_workers > 0``), and the fp16
-loss scale (``checkpoint.py``).
+random transforms inside DataLoader worker processes (``num_workers > 0``).
 
 A step boundary is where the loader is asked for its next batch, or, in a loop that
-does not use ``ctx.dataloader``, where ``ctx.step`` is set to the next step.
+does not use ``ctx.dataloader``, where ``ctx.step`` is set to the next step. With
+gradient accumulation (``ctx.accumulate``), a boundary between two micro-batches of one
+optimizer step holds gradients no checkpoint keeps: a save falls due every ``every``
+steps and is written at the first boundary where no accumulated gradient waits (right
+after an optimizer step), so the accumulation resumes in phase.
 """
 
 from __future__ import annotations
@@ -85,10 +89,14 @@ class Checkpointer:
     """
 
     def __init__(self, every: int, path: str, state: dict[str, Any], rank: int,
-                 device: torch.device, save: Callable, load: Callable):
+                 device: torch.device, save: Callable, load: Callable,
+                 in_phase: Callable[[], bool] = lambda: True,
+                 ctx_state: tuple[Callable[[], dict], Callable[[dict], None]] | None = None):
         self.every, self.path, self.state = every, path, state
         self.rank, self.device = rank, device
-        self._save, self._load = save, load
+        self._save, self._load, self._in_phase = save, load, in_phase
+        # ctx's own state to keep (fp16's loss scale, the skipped steps): get, set
+        self._ctx_state = ctx_state
         self.loader: DeviceLoader | None = None
         self.start = 0  # the steps done when this attempt began
         self._saved_at = 0  # the steps done at the last save (or the resume)
@@ -98,7 +106,10 @@ class Checkpointer:
     @classmethod
     def begin(cls, every: int, path: str | os.PathLike, state: dict[str, Any],
               loaders: list[DeviceLoader], rank: int, device: torch.device,
-              save: Callable, load: Callable) -> Checkpointer:
+              save: Callable, load: Callable,
+              in_phase: Callable[[], bool] = lambda: True,
+              ctx_state: tuple[Callable[[], dict], Callable[[dict], None]] | None = None,
+              ) -> Checkpointer:
         """Checked arguments; the loader kept: the one in ``state``, else the first of
         ``loaders`` (ctx's so far), else the first ctx makes later (``attach``)."""
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -111,7 +122,8 @@ class Checkpointer:
             raise ValueError(f"ctx.checkpoint_every: {given} are all loaders; give the one "
                              "whose batches are the training steps.")
         kept = state.pop(given[0]) if given else (loaders[0] if loaders else None)
-        keeper = cls(every, os.fspath(path), state, rank, device, save, load)
+        keeper = cls(every, os.fspath(path), state, rank, device, save, load, in_phase,
+                     ctx_state)
         if kept is not None:
             keeper.attach(kept)
         return keeper
@@ -136,6 +148,8 @@ class Checkpointer:
                 self._streams = own["streams"]
                 set_random_streams(own["streams"], self.device)  # and at the first boundary
                 self._position = own["data"]
+                if own.get("ctx") and self._ctx_state is not None:
+                    self._ctx_state[1](own["ctx"])  # fp16's scale goes on
                 if self.loader is not None:
                     self.attach(self.loader)
             else:
@@ -164,12 +178,15 @@ class Checkpointer:
         if self._streams is not None:  # the first boundary after a resume: the streams
             set_random_streams(self._streams, self.device)  # as they were at the save
             self._streams = None
-        if done > self._saved_at and done % self.every == 0:
+        # due: a multiple of ``every`` passed since the last save; written once no
+        # accumulated gradient waits (at once without accumulation)
+        if done - done % self.every > self._saved_at and self._in_phase():
             self.save(done)
 
     def save(self, done: int) -> None:
         own = {"step": done, "streams": random_streams(self.device),
-               "data": self.loader.position if self.loader is not None else None}
+               "data": self.loader.position if self.loader is not None else None,
+               "ctx": self._ctx_state[0]() if self._ctx_state is not None else None}
         # the state handed back keeps the step this attempt began at
         self._save(self.path, {**self.state, "step": done,
                                _KEY.format(rank=self.rank): pickle.dumps(own)})

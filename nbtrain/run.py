@@ -17,7 +17,7 @@ from .cells import busy_while_blocking
 from .errors import RunStoppedError, RunTimeoutError, WorkerError, cell_names, places_of, where_text
 from .output import CellOutput
 from .questions import answer_waiting
-from .restarts import Attempt, history_text, retry_cause
+from .restarts import Attempt, Restarts, history_text
 from .telemetry.events import Checkpoint, Event, Lifecycle, Output, Restart
 from .telemetry.history import History
 from .telemetry.sinks import Sink, SinkDispatcher
@@ -97,15 +97,17 @@ class Run:
         self.remote: dict | None = None
         # A one-rank run of the same function this run's summary is measured against.
         self.baseline: Run | None = None
-        # launch(max_restarts=...): the attempts that ended and were followed by another,
-        # and the checkpoints ctx.save completed (a restart goes on from the last)
-        self.attempts: list[Attempt] = []
+        # launch(max_restarts=...): the checkpoints ctx.save completed, and the restarts
         self.checkpoints: list[str] = []
-        self._restart: Callable | None = None
-        self._max_restarts = 0
+        self._restarts = Restarts()
         self._stop_asked = False
 
     # -- public ------------------------------------------------------------------------
+    @property
+    def attempts(self) -> list[Attempt]:
+        """The attempts that ended and were followed by another (``max_restarts``)."""
+        return self._restarts.attempts
+
     @property
     def status(self) -> str:
         """``"starting"`` (ranks joining their process group), ``"running"``, then
@@ -219,6 +221,10 @@ class Run:
         return (f"<Run {self.fn_name} strategy={self.strategy.name} {where} "
                 f"start={self.start_method}: {self._status} after {self.elapsed:.1f}s>")
 
+    def deadline(self) -> float | None:
+        """When ``timeout=`` ends the run (monotonic), its restarts included; or None."""
+        return self.started_at + self.timeout if self.timeout else None
+
     def open_view(self, dashboard: bool | str = "auto"):
         """The live view ``launch(dashboard=...)`` asks for, from whatever UI registered
         itself (``nbtrain.ui`` does); None without one. It is one of the run's sinks."""
@@ -243,6 +249,8 @@ class Run:
             event = dataclasses.replace(event, detail=cell_names(event.detail))
         elif isinstance(event, Checkpoint):
             self.checkpoints.append(event.path)
+            if event.resumes:
+                self._restarts.points.append(event.path)
         self.history.append(event)
         self._last_step[event.rank] = event.step
         self._sinks.put(event)
@@ -275,16 +283,12 @@ class Run:
     def follow(self, outcome: Outcome, cleanup: list, restart: Callable | None = None,
                max_restarts: int = 0) -> None:
         """Follow the ranks' ``outcome`` (a supervisor, a pool's operation, a job) until
-        it is done, then run ``cleanup`` and end the run. With ``restart``, an attempt
-        that ended by a cause a restart may cure (``restarts.retry_cause``) is followed by
-        another, up to ``max_restarts`` times: ``restart(checkpoints, announce)`` picks
-        the checkpoint, calls ``announce(it)`` before any rank starts, starts the ranks
-        and returns ``(outcome, cleanup)``."""
+        it is done, then run ``cleanup`` and end the run; with ``restart``, an ending a
+        restart may cure is followed by another attempt (``restarts.Restarts``)."""
         global _LAST
         _LAST = self
-        self._outcome = outcome
-        self._cleanup = cleanup
-        self._restart, self._max_restarts = restart, max_restarts
+        self._outcome, self._cleanup = outcome, cleanup
+        self._restarts.start, self._restarts.most = restart, max_restarts
         _ACTIVE.add(self)
         # Exit hooks run last-registered first: ours must run before multiprocessing's,
         # which would otherwise join live workers at interpreter exit and hang.
@@ -313,19 +317,16 @@ class Run:
     def _next_attempt(self, outcome) -> bool:
         """Start the next attempt when this one's ending is one a restart may cure and
         restarts are left; True when one started."""
-        if self._restart is None or self._stop_asked or \
-                len(self.attempts) >= self._max_restarts:
-            return False
-        cause = retry_cause(outcome)
-        if cause is None:
+        if self._stop_asked:
             return False
         try:
-            outcome, cleanup = self._restart(list(self.checkpoints),
-                                             lambda resume: self._announce(cause, resume))
+            started = self._restarts.next(outcome, self.deadline(), self._announce)
         except BaseException as err:  # the attempt's own failure is what the run raises
             self.note = f"nbtrain could not restart the run: {type(err).__name__}: {err}"
             return False
-        self._outcome, self._cleanup = outcome, cleanup
+        if started is None:
+            return False
+        self._outcome, self._cleanup = outcome, cleanup = started
         outcome.start()
         if self._stop_asked:  # run.stop() while the next attempt started
             outcome.request_stop("stopped by run.stop()")
@@ -334,15 +335,14 @@ class Run:
     def _announce(self, cause: str, resume: str | None) -> None:
         """The next attempt, recorded and shown before its ranks start (so their events
         come after it)."""
-        attempt = Attempt(len(self.attempts) + 1, cause, self.last_step, resume)
-        self.attempts.append(attempt)
+        attempt = self._restarts.record(cause, self.last_step, resume)
         event = Restart(rank=0, step=self.last_step or 0, t=time.monotonic(),
                         attempt=attempt.number, cause=cause, resume=resume or "")
         self.history.append(event)
         self._sinks.put(event)
         with self._lock:
             self.rank_status = dict.fromkeys(self.rank_status, "starting")
-        self._say(f"nbtrain: {attempt} ({attempt.number} of {self._max_restarts} restarts)")
+        self._say(f"nbtrain: {attempt} ({attempt.number} of {self._restarts.most} restarts)")
 
     def _say(self, text: str) -> None:
         """A line of nbtrain's own in the run's output (the cell), after the ranks'."""

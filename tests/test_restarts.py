@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from workloads import ckpt_train, every_train
+from workloads import ckpt_train, every_train, fail_on
 
 import nbtrain
 from nbtrain.strategies import deepspeed
@@ -129,6 +129,118 @@ def test_what_a_killed_rank_logged_before_its_checkpoint_reaches_the_kernel(
         assert {e.step for e in run.history.events("step", rank)} == set(range(48)), rank
 
 
+def _same_weights(got, want, what):
+    for name, value in want.results[0]["full"].items():
+        torch.testing.assert_close(got.results[0]["full"][name], value, rtol=1e-5, atol=1e-6,
+                                   msg=f"{what}: {name} differs after the restart")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_save_of_the_users_own_is_never_the_restarts_point(strategy, tmp_path):
+    """Beside checkpoint_every(6), the function saves the model alone every 4 steps
+    (an export, a best model: ctx.save without resume=True); rank 1 dies at step 20,
+    just after such a save (step 19). The restart goes on from checkpoint_every's save
+    of step 18, never from the model-only one (which once failed the restart, or would
+    have trained again from step 0), and ends with the uninterrupted run's weights.
+    Each rank draws from a generator seeded its own way (and dropout)."""
+    kw = dict(strategy=strategy, own_seeds=True, devices=2, accelerator="cpu",
+              dashboard=False)
+    whole = nbtrain.launch(every_train, str(tmp_path / "a"), snapshot=str(tmp_path / "s1"),
+                           **kw)
+    path, snapshot = str(tmp_path / "b"), str(tmp_path / "s2")
+    run = nbtrain.launch(every_train, path, snapshot=snapshot, die_at=20, max_restarts=1,
+                         **kw)
+    [attempt] = run.attempts
+    assert attempt.resume == path and run.results[0]["first"] == 18
+    events = run.history.events()
+    before = [e for e in events[:events.index(run.history.events("restart")[0])]
+              if e.kind == "checkpoint"]
+    assert before[-1].path == snapshot and not before[-1].resumes  # the newest: passed over
+    _same_weights(run, whole, strategy)
+
+
+def test_with_telemetry_off_a_restart_still_goes_on_from_its_checkpoint(tmp_path):
+    """telemetry=False: no metrics, steps or memory reach the kernel, but the reports
+    of checkpoint_every's saves do, so the restart goes on from step 18, not step 0."""
+    kw = dict(own_seeds=True, devices=2, accelerator="cpu", dashboard=False, telemetry=False)
+    whole = nbtrain.launch(every_train, str(tmp_path / "a"), **kw)
+    path = str(tmp_path / "b")
+    run = nbtrain.launch(every_train, path, die_at=20, max_restarts=1, **kw)
+    [attempt] = run.attempts
+    assert attempt.resume == path and run.results[0]["first"] == 18
+    assert {e.kind for e in run.history.events()} <= {"checkpoint", "restart"}
+    _same_weights(run, whole, "telemetry off")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_gradient_accumulation_resumes_in_phase(strategy, tmp_path):
+    """ctx.accumulate(model, 4) with checkpoint_every(6): a save falls due at step 18,
+    between two micro-batches of one optimizer step, and is written at step 20, right
+    after the optimizer step; rank 1 dies at step 22. The restart goes on from step 20
+    with no gradient lost and its micro-steps in phase: the uninterrupted run's weights
+    (ranks seeded their own ways, dropout, a shuffled loader over 3 epochs)."""
+    kw = dict(strategy=strategy, accumulate=4, own_seeds=True, devices=2,
+              accelerator="cpu", dashboard=False)
+    whole = nbtrain.launch(every_train, str(tmp_path / "a"), **kw)
+    path = str(tmp_path / "b")
+    run = nbtrain.launch(every_train, path, die_at=22, max_restarts=1, **kw)
+    assert run.attempts[0].resume == path and run.results[0]["first"] == 20
+    saved = [e.step for e in run.history.events("checkpoint")]
+    assert all((step + 1) % 4 == 0 for step in saved), saved  # after optimizer steps
+    _same_weights(run, whole, strategy)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_fp16_loss_scaling_goes_on_with_its_scale(strategy, tmp_path):
+    """fp16 on CPU ranks: the scaler skips the steps whose scaled gradients overflow and
+    halves its scale. checkpoint_every keeps the scale and the count, so the restart
+    skips the uninterrupted run's steps, no others, and ends with its weights."""
+    from nbtrain import strategies
+
+    chosen = strategies.get(strategy, mixed_precision="fp16")
+    kw = dict(strategy=chosen, own_seeds=True, devices=2, accelerator="cpu",
+              dashboard=False)
+    whole = nbtrain.launch(every_train, str(tmp_path / "a"), **kw)
+    run = nbtrain.launch(every_train, str(tmp_path / "b"), die_at=20, max_restarts=1, **kw)
+    assert run.results[0]["first"] == 18
+    # the steps the uninterrupted run skipped (0 and 40), counted on from the restart
+    assert run.history.metric("skipped_steps", 0) == whole.history.metric("skipped_steps", 0)
+    _same_weights(run, whole, f"{strategy} fp16")
+
+
+def test_a_crash_in_native_code_is_not_retried():
+    """A SIGSEGV is the rank's own code faulting: a restart would replay the same steps
+    and crash again, so the run fails at once with the rank's stack."""
+    with pytest.raises(nbtrain.WorkerError) as info:
+        nbtrain.launch(fail_on, "segfault", devices=2, accelerator="cpu", dashboard=False,
+                       max_restarts=2)
+    assert info.value.exc_type == "SIGSEGV" and "restarted" not in str(info.value)
+    assert nbtrain.last_run().attempts == []
+
+
+def test_timeout_bounds_the_whole_run_restarts_included(tmp_path):
+    """Each attempt dies at its step 3, after 1.5 s of steps, and there are restarts for
+    ten more: timeout=6 ends the run after about 6 s, not 6 s per attempt."""
+    import time
+
+    began = time.monotonic()
+    with pytest.raises((nbtrain.RunTimeoutError, nbtrain.WorkerError)):
+        nbtrain.launch(ckpt_train, die_at=3, die_by="SIGKILL", max_restarts=10, timeout=6,
+                       **{**KW, "save_every": 0, "sleep": 0.5})
+    run = nbtrain.last_run()
+    assert time.monotonic() - began < 6 + 15  # the deadline, then teardown's generous bound
+    assert len(run.attempts) < 10
+
+
+def test_the_collective_timeout_leaves_the_restarts_their_time():
+    from nbtrain.restarts import collective_timeout
+
+    assert collective_timeout(None, 0) == collective_timeout(None, 3) == 600
+    assert collective_timeout(100, 0) == 100 and collective_timeout(20, 0) == 60
+    assert collective_timeout(900, 2) == 300  # a third of the run for each attempt
+    assert collective_timeout(100, 2) == 60 and collective_timeout(7200, 1) == 600
+
+
 def test_checkpoint_every_in_a_loop_without_a_loader(tmp_path):
     """A hand-written loop (``ctx.step = step`` at the top of each step, batches drawn
     from the generator): saved every 6 steps, resumed from 18 exactly."""
@@ -184,15 +296,19 @@ def test_in_a_kernel_the_dashboard_marks_the_restart_and_nothing_is_left(kernel_
     """The issue's case in a real kernel: rank 1 SIGKILLed at step 20 of 48 (a shuffled
     loader, ctx.checkpoint_every(5)), two restarts allowed; the run ends done with the
     uninterrupted weights, its figure marks one restart with its cause, and no process
-    stays (kernel_clean checks); then the same under fsdp and a DeepSpeed stage."""
+    stays (kernel_clean checks); then the same under fsdp and a DeepSpeed stage. The
+    first run also accumulates gradients over 2 batches, saves a model-only snapshot
+    every 4 steps (the newest save when rank 1 dies) and seeds each rank its own way."""
     k = kernel_clean
     reply = k.run(f"""
         import nbtrain, torch
         from workloads import every_train
         kw = dict(every=5, devices=2, strategy="ddp")
+        edges = dict(accumulate=2, own_seeds=True, snapshot={str(tmp_path / 'snap')!r})
         run = nbtrain.launch(every_train, {str(tmp_path / 'a')!r}, die_at=20,
-                             max_restarts=2, **kw)
-        ref = nbtrain.launch(every_train, {str(tmp_path / 'b')!r}, dashboard=False, **kw)
+                             max_restarts=2, **kw, **edges)
+        ref = nbtrain.launch(every_train, {str(tmp_path / 'b')!r}, dashboard=False, **kw,
+                             **edges)
         print("status", run.status, len(run.attempts), run.attempts[0].step)
         print("same", all(torch.equal(run.results[0]["full"][n], v)
                           for n, v in ref.results[0]["full"].items()))

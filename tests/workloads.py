@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -467,7 +468,7 @@ def ckpt_train(ctx, path=None, load_from=None, steps=8, save_every=0, stop_after
         ctx.log(loss=loss)
         if save_every and (step + 1) % save_every == 0:
             state["step"] = step
-            ctx.save(path, state, full=full)
+            ctx.save(path, state, full=full, resume=True)
             ctx.print(f"saved {step}")
         if step == stop_after:
             break
@@ -476,15 +477,22 @@ def ckpt_train(ctx, path=None, load_from=None, steps=8, save_every=0, stop_after
 
 
 def every_train(ctx, path=None, epochs=3, every=6, hand=False, die_at=None,
-                die_by="SIGKILL", die_rank=1, out=None, per_epoch=False):
+                die_by="SIGKILL", die_rank=1, out=None, per_epoch=False, accumulate=1,
+                snapshot=None, own_seeds=False):
     """ctx.checkpoint_every with a shuffled ctx.dataloader over ``epochs`` epochs (16
     steps each on 2 ranks), noise drawn from each rank's generator every step; or
     ``hand``: a loop without a loader, its batches drawn from the generator. Rank
     ``die_rank`` dies at step ``die_at`` when the run started from step 0. ``per_epoch``:
     the loop is ``loader.epochs(epochs)``, an LR scheduler (in the checkpoint) steps at
-    each epoch's end, and the result lists the epochs whose end this attempt ran."""
+    each epoch's end, and the result lists the epochs whose end this attempt ran.
+    ``accumulate``: gradients of that many batches per optimizer step (ctx.accumulate).
+    ``snapshot``: the model alone is also saved there every 4 steps (ctx.save: an export,
+    a best model; not a restart's point). ``own_seeds``: each rank's generator starts from a
+    seed of its own (after the model is built) and the logits go through dropout."""
     torch.manual_seed(0)
     model = Deep()
+    if own_seeds:
+        torch.manual_seed(1000 + 17 * ctx.rank)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     model, opt = ctx.setup(model, opt)
     extra = {}
@@ -493,15 +501,23 @@ def every_train(ctx, path=None, epochs=3, every=6, hand=False, die_at=None,
     state = ctx.checkpoint_every(every, path, model=model, optimizer=opt, note="fresh",
                                  **extra)
     first, note = state["step"], state["note"]
+    acc = ctx.accumulate(model, accumulate) if accumulate > 1 else None
 
     def train_step(x, y):
         if ctx.step == die_at and first == 0 and ctx.rank == die_rank:  # a fresh start
             _die(die_by, ctx.step)
-        loss = nn.functional.cross_entropy(model(x + 0.1 * torch.randn_like(x)), y)
-        ctx.backward(loss)
-        opt.step()
-        opt.zero_grad()
+        with acc or contextlib.nullcontext():
+            logits = model(x + 0.1 * torch.randn_like(x))
+            if own_seeds:
+                logits = nn.functional.dropout(logits, 0.2)
+            loss = nn.functional.cross_entropy(logits, y)
+            ctx.backward(loss / accumulate)
+        if acc is None or acc.ready:
+            opt.step()
+            opt.zero_grad()
         ctx.log(loss=loss)
+        if snapshot is not None and ctx.step % 4 == 3:
+            ctx.save(snapshot, {"model": model})
 
     if hand:
         for step in range(first, epochs * 16):

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 from ..cells import busy_while_blocking
+from ..restarts import collective_timeout
 from ..run import Run
 from ..strategies import Strategy
 from ..telemetry.channel import TelemetryServer
@@ -154,14 +154,15 @@ class OneShot:
         cleanup: list[Callable[[], None]] = [launcher.close]
         try:
             server = None
-            if request.telemetry.enabled:
+            if request.telemetry.enabled or request.max_restarts:  # (telemetry off: the
+                # checkpoints' reports alone, which a restart goes on from)
                 server = TelemetryServer(run.receive, host=start.HOST)
                 ranks = set(range(plan.world_size))
                 cleanup.append(lambda: server.drain_and_close(ranks))
             threads = launcher.threads(threads_per_worker(plan.world_size))
             specs = start.rank_specs(
                 plan, threads=threads,
-                pg_timeout=max(60.0, run.timeout) if run.timeout else 600.0,
+                pg_timeout=collective_timeout(run.timeout, request.max_restarts),
                 telemetry_address=server.address if server else None,
                 token=server.token if server else "", telemetry=request.telemetry,
                 resume=request.resume, seed=run.seed, data_seed=request.data_seed)
@@ -170,8 +171,7 @@ class OneShot:
             for close in cleanup:
                 close()
             raise
-        deadline = time.monotonic() + run.timeout if run.timeout else None
-        return Supervisor(handles, run.write_output, deadline), cleanup
+        return Supervisor(handles, run.write_output, run.deadline()), cleanup
 
     def abandon(self) -> None:
         pass  # nothing is held before start()

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from ..run import Run
@@ -51,14 +50,16 @@ class PoolLaunch:
 
         pool = self.pool
         settings = request.telemetry
-        server = TelemetryServer(run.receive, host=start.HOST) if settings.enabled else None
+        # with telemetry off, restarts still hear of checkpoints (ctx.save's reports)
+        server = (TelemetryServer(run.receive, host=start.HOST)
+                  if settings.enabled or request.max_restarts else None)
         try:
             run_settings = RunSettings(
                 telemetry_address=server.address if server else None,
                 telemetry_token=server.token if server else "", telemetry=settings,
                 resume_from=request.resume, seed=request.base_seed,
                 data_seed=request.data_seed)
-            deadline = time.monotonic() + request.timeout if request.timeout else None
+            deadline = run.deadline()
             op = pool.channel.begin(list(range(pool.world_size)),
                              LaunchRun(self.payload, run_settings), deadline,
                              emit=run.write_output)

@@ -224,13 +224,16 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
     ctx = None
     try:
         fn, args, kwargs, strategy = _load(payload)
-        if telemetry is None and spec.telemetry_address is not None and spec.telemetry.enabled:
+        # (with telemetry off an address still comes when restarts may follow: the
+        # client then carries the checkpoints' reports alone, ctx.save's)
+        if telemetry is None and spec.telemetry_address is not None:
             telemetry = TelemetryClient(spec.telemetry_address, spec.telemetry_token, spec.rank)
         if setup is not None:
             setup()
         ctx = Context(spec, strategy, telemetry, function=_name(fn))
-        if telemetry:
-            telemetry.send(Lifecycle(rank=spec.rank, step=0, t=time.monotonic(),
+        events = telemetry if spec.telemetry.enabled else None  # the lifecycle's
+        if events:
+            events.send(Lifecycle(rank=spec.rank, step=0, t=time.monotonic(),
                                      state="started"))
         seed_all(rank_seed(spec.seed, spec.rank))  # the same rule after fork and spawn
         strategy.start_rank(ctx.device)
@@ -247,9 +250,9 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
         if report is not None:
             report(encode_activity(Activity(**activity)))
         message = encode_result(result, spec.rank)
-        if telemetry:
-            telemetry.send(Lifecycle(rank=spec.rank, step=ctx.step, t=time.monotonic(),
-                                     state="finished"))
+        if events:
+            events.send(Lifecycle(rank=spec.rank, step=ctx.step, t=time.monotonic(),
+                                  state="finished"))
     except BaseException as exc:
         hint = ""
         if ctx is not None:
@@ -264,7 +267,7 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
         if isinstance(exc, SystemExit):
             hint = exit_hint(exc)
         message = encode_failure(exc, spec.rank, (__file__,), hint)
-        if telemetry:
+        if telemetry and spec.telemetry.enabled:
             detail = decode_failure(message).traceback + (f"\n{hint}" if hint else "")
             telemetry.send(Lifecycle(rank=spec.rank, step=ctx.step if ctx else 0,
                                      t=time.monotonic(), state="failed",

@@ -89,11 +89,14 @@ class Output(Event):
 
 @dataclass(frozen=True)
 class Checkpoint(Event):
-    """Rank 0: every rank finished writing a checkpoint (``ctx.save``) at ``path``; a
-    restart goes on from the last one (``launch(max_restarts=...)``)."""
+    """Rank 0: every rank finished writing a checkpoint (``ctx.save``) at ``path``.
+    ``resumes``: a restart may go on from it (``ctx.checkpoint_every``'s, or a
+    ``ctx.save(..., resume=True)``); a restart goes on from the last such one
+    (``launch(max_restarts=...)``), never from another save (a best model's)."""
 
     kind: ClassVar[str] = "checkpoint"
     path: str = ""
+    resumes: bool = False
 
 
 @dataclass(frozen=True)

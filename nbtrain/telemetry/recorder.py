@@ -52,6 +52,7 @@ class Recorder:
         self._step = -1  # the step in progress
         self._last: float | None = None  # when it started
         self._samples = 0
+        self._samples_given = 0  # ctx.log(samples=n): a hand-written loop's steps' samples
         self._epoch = (0, 0)  # (epoch, batches per epoch) of the step in progress
         self.total_steps = 0  # ctx.total_steps
         self._ddp = None  # the strategy's collective probe (DDP's buckets), if any
@@ -140,7 +141,8 @@ class Recorder:
         self._boundary(step, samples)
         self._epoch = (epoch, epoch_steps)
 
-    def checkpoint(self, step: int, path: str, report: bool = True) -> None:
+    def checkpoint(self, step: int, path: str, report: bool = True,
+                   resumes: bool = False) -> None:
         """Every rank finished writing the checkpoint at ``path``: ``report`` (rank 0)
         says so. What each rank sent before it goes on the wire now, before the rank can
         die: a restart resumes from here, and replays only the steps after it. With
@@ -151,8 +153,7 @@ class Recorder:
             self._close_step(time.monotonic())
             self._last = None  # what follows until the next batch is not a step
         if report:
-            self.client.send(Checkpoint(rank=self.rank, step=step, t=time.monotonic(),
-                                        path=path))
+            report_checkpoint(self.client, step, path, resumes)
         self.client.flush()
 
     def on_evaluation(self, done: int, batches: int) -> None:
@@ -206,6 +207,13 @@ class Recorder:
         elif not self._batches_seen:  # before the first optimizer step: step 0 starts later
             self._watched_at += shift
         self._paused_at = self._stash = None
+
+    def count_samples(self, samples: int) -> None:
+        """``ctx.log(samples=n)``: the steps of a loop without ``ctx.dataloader`` train on
+        ``n`` samples each on this rank (the step in progress, and the next ones)."""
+        self._samples_given = samples
+        if not self._batches_seen:
+            self._samples = samples
 
     def on_epoch_end(self) -> None:
         self._close_step(time.monotonic())
@@ -261,7 +269,7 @@ class Recorder:
             step = self._opt_steps
             if self._last is None:
                 self._step, self._last = step, self._watched_at
-            self._boundary(step + 1, 0)
+            self._boundary(step + 1, self._samples_given)
         self._opt_steps += 1
         self._opt_end = time.monotonic()
         every = self.settings.memory_every
@@ -335,3 +343,24 @@ class Recorder:
             for step in self.clock.flush():  # a CUDA rank's last steps, their events read
                 self.client.send(step)
             self.clock.uninstall()
+
+
+def report_checkpoint(client, step: int, path: str, resumes: bool) -> None:
+    """Rank 0's report that every rank wrote the checkpoint at ``path``, on the wire
+    before this returns (the rank may die next). With telemetry off, the client carries
+    these alone, when a restart may need them."""
+    client.send(Checkpoint(rank=0, step=step, t=time.monotonic(), path=path,
+                           resumes=resumes))
+    client.flush()
+
+
+def samples_given(value) -> int | None:
+    """``ctx.log(samples=n)``'s n, checked: an int >= 1 (a one-element tensor too)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ctx.log(samples={value!r}): give the number of samples this "
+                         "rank's step trains on, an int >= 1.")
+    return value
