@@ -2,7 +2,10 @@
 the function on one device, then on N, and returns the N-device run measured against
 the one-device run: its summary says the speed-up, the scaling efficiency, where the step
 time went, and, when more devices do not pay, why and what would help
-(``telemetry/advice.py``)."""
+(``telemetry/advice.py``: like for like, in samples when they are counted, steady state,
+a superlinear result flagged). On CPU ranks the one-device run gets the threads one of
+the N ranks gets, so the figure is what N ranks add, not one process on every core
+against N on a share each."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .launch import launch
-from .launch.devices import parse_devices
+from .launch.devices import parse_devices, threads_as_one_of
 from .run import Run
 
 
@@ -32,7 +35,9 @@ def scaling(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] =
         raise ValueError("scaling() runs its two launches one after the other; "
                          "background=True is not for it.")
     one = [plan.indices[0]] if plan.accelerator == "cuda" else 1
-    baseline = launch(fn, *args, devices=one, accelerator=plan.accelerator, **options)
+    # on CPU ranks, one of the N: its share of the cores, not the whole machine's
+    with threads_as_one_of(plan.world_size):
+        baseline = launch(fn, *args, devices=one, accelerator=plan.accelerator, **options)
     run = launch(fn, *args, devices=devices, accelerator=plan.accelerator, **options)
     run.baseline = baseline
     return run

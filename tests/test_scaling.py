@@ -31,9 +31,79 @@ def test_ranks_slower_than_one_are_told_so_with_remedies_ranked():
 
 
 def test_ranks_that_scale_well_get_their_figures_and_no_remedies():
-    sentence, remedies = verdict(4, 0.1, None, Scaling(4, 0.011, 0.010), DDP_FEWER)
+    # 8 samples a step on each rank and on the one-rank run
+    sentence, remedies = verdict(4, 0.1, None, Scaling(4, 0.011, 0.010, 4 * 8 / 0.011,
+                                                       8 / 0.010, 40), DDP_FEWER)
     assert sentence == "4 ranks gave 3.64× the throughput of one (91% scaling efficiency)."
     assert remedies == []
+
+
+def test_a_speedup_in_steps_says_what_it_assumes():
+    sentence, _ = verdict(4, 0.1, None, Scaling(4, 0.011, 0.010), DDP_FEWER)
+    assert sentence.startswith("4 ranks gave 3.64× the throughput of one")
+    assert "measured in steps, not samples" in sentence and "ctx.log(samples=n)" in sentence
+
+
+def test_more_than_n_times_one_is_flagged_never_a_win():
+    """Notebook 07's saved output once read "3.5× (176 % efficiency)" as a win."""
+    sentence, remedies = verdict(2, 0.05, None, Scaling(2, 0.020, 0.035, 2 * 8 / 0.020,
+                                                        8 / 0.035, 40), DDP_FEWER)
+    assert sentence.startswith("2 ranks gave 3.50× the throughput of one (175% scaling "
+                               "efficiency): above 100%")
+    assert "not a result to trust" in sentence and "the one-rank run was slowed" in sentence
+    assert remedies == []
+
+
+def test_a_global_batch_split_across_ranks_is_measured_in_samples():
+    """Each of 2 ranks trains on half of a global batch of 8 (4 samples, 6 ms) where one
+    rank trains on all 8 in 10 ms: in steps that reads 3.33×, flagged; in samples 1.67×."""
+    steps = Scaling(2, 0.006, 0.010)
+    assert steps.superlinear and steps.speedup == pytest.approx(3.33, abs=0.01)
+    sentence, _ = verdict(2, 0.1, None, steps, [])
+    assert "a global batch split across ranks" in sentence
+    samples = Scaling(2, 0.006, 0.010, 2 * 4 / 0.006, 8 / 0.010, 40)
+    assert samples.speedup == pytest.approx(1.67, abs=0.01) and not samples.superlinear
+    sentence, _ = verdict(2, 0.1, None, samples, [])
+    assert sentence == "2 ranks gave 1.67× the throughput of one (83% scaling efficiency)."
+
+
+def test_too_few_steady_steps_are_said():
+    sentence, _ = verdict(2, 0.1, None, Scaling(2, 0.011, 0.010, 2 * 8 / 0.011, 8 / 0.010,
+                                                8), [])
+    assert "only 8 steady steps on a side: too few" in sentence
+
+
+def test_the_speedup_reads_steady_steps_so_a_stall_does_not_move_it():
+    """The median step after the first tenth: a warm-up step and a 1 s stall (another
+    process on a shared machine) leave the figures where the other 28 steps put them."""
+    from nbtrain.telemetry.events import Step
+    from nbtrain.telemetry.history import History
+    from nbtrain.telemetry.summary import summarize
+
+    def history(world, duration, samples):
+        h = History(0.0)
+        for rank in range(world):
+            for step in range(30):
+                took = 2.0 if step == 0 else 1.0 if step == 17 else duration
+                h.append(Step(rank=rank, step=step, t=step + 1.0, duration=took,
+                              samples=samples))
+        return h
+
+    one = summarize(history(1, 0.010, 8), 1)
+    two = summarize(history(2, 0.012, 8), 2, baseline=one)
+    assert two.ranks[0].steady_step_time == 0.012 and two.ranks[0].steady_steps == 27
+    assert two.scaling.by_samples and two.scaling.steps == 27
+    assert two.scaling.speedup == pytest.approx(2 * 0.010 / 0.012)
+    assert two.verdict == "2 ranks gave 1.67× the throughput of one (83% scaling efficiency)."
+
+
+def test_the_one_rank_run_gets_the_threads_one_of_n_ranks_gets():
+    from nbtrain.launch.devices import threads_as_one_of, threads_per_worker
+
+    with threads_as_one_of(4):
+        assert threads_per_worker(1) == threads_per_worker(4)
+        assert threads_per_worker(8) == threads_per_worker(8)
+    assert threads_per_worker(1) >= threads_per_worker(4)
 
 
 def test_inefficient_scaling_and_a_slow_loader_are_named():
@@ -86,16 +156,23 @@ def test_fp16_compressed_gradients_train_what_one_process_trains():
     assert sent(run) == pytest.approx(sent(plain) / 2, rel=0.01)
 
 
-def wide(ctx, batch: int = 8, steps: int = 12):
-    """16 MB of gradients and 8 samples per rank: communication outweighs compute."""
+def wide(ctx, batch: int = 8, steps: int = 12, hand: bool = False):
+    """16 MB of gradients and 8 samples per rank: communication outweighs compute.
+    ``hand``: a loop without ctx.dataloader that says its samples (ctx.log). Returns
+    the rank's torch threads."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(4)))
     model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=1e-3))
     data = torch.utils.data.TensorDataset(torch.randn(batch * steps * ctx.world_size, 1024))
-    for (x,) in ctx.dataloader(data, batch_size=batch):
-        ctx.backward(model(x).pow(2).mean())
+    batches = (data[i:i + batch] for i in range(0, batch * steps, batch)) if hand else \
+        ctx.dataloader(data, batch_size=batch)
+    for (x,) in batches:
+        ctx.backward(model(x.to(ctx.device)).pow(2).mean())
         opt.step()
         opt.zero_grad()
+        if hand:
+            ctx.log(samples=len(x))
+    return torch.get_num_threads()
 
 
 def test_scaling_runs_one_rank_beside_n_and_its_verdict_reads_what_they_measured():
@@ -106,12 +183,16 @@ def test_scaling_runs_one_rank_beside_n_and_its_verdict_reads_what_they_measured
     ~0.4 on a quiet one and 1.015 on a fresh CI machine."""
     run = nbtrain.scaling(wide, devices=2, accelerator="cpu", dashboard=False)
     assert run.world_size == 2 and run.baseline.world_size == 1
+    assert run.baseline.result == run.results[0]  # the threads one of the two ranks got
     summary, baseline = run.summary(), run.baseline.summary()
     scaling = summary.scaling
-    assert scaling is not None and scaling.world_size == 2
-    assert scaling.step_time == summary.step_time > 0
-    assert scaling.baseline_step_time == baseline.step_time > 0
+    assert scaling is not None and scaling.world_size == 2 and scaling.by_samples
+    assert scaling.step_time == max(r.steady_step_time for r in summary.ranks) > 0
+    assert scaling.baseline_step_time == baseline.ranks[0].steady_step_time > 0
+    assert scaling.samples_per_s == pytest.approx(
+        sum(r.steady_samples_per_s for r in summary.ranks))
     assert [r.steps for r in summary.ranks] == [12, 12] and baseline.ranks[0].steps == 12
+    assert scaling.steps == 11 and scaling.too_few  # and the verdict says so
     data = [r.share("data") for r in summary.ranks if r.share("data") is not None]
     sentence, remedies = verdict(2, summary.comm_share, max(data, default=None), scaling,
                                  DDP_FEWER)
@@ -124,6 +205,19 @@ def test_scaling_runs_one_rank_beside_n_and_its_verdict_reads_what_they_measured
     notes = nbtrain.compare(run.baseline, run, display=False).scaling_notes()
     assert len(notes) == 1, notes
     assert ("slower than one" in notes[0]) == (scaling.speedup < 1), (notes, scaling)
+
+
+def test_a_loop_without_the_loader_counts_its_samples_with_ctx_log():
+    run = nbtrain.scaling(wide, devices=2, accelerator="cpu", dashboard=False, hand=True)
+    summary = run.summary()
+    assert summary.scaling.by_samples
+    assert all(r.steady_samples_per_s for r in summary.ranks)
+    # (the first step ended before its ctx.log: warm-up, left out of the steady steps)
+    assert {e.samples for e in run.history.events("step", 1)[1:]} == {8}
+    assert not run.history.metric("samples", 0)  # a count, not a metric to chart
+    with pytest.raises(nbtrain.WorkerError, match="give the number of samples"):
+        nbtrain.launch(lambda ctx: ctx.log(samples=0.5), devices=2, accelerator="cpu",
+                       dashboard=False)
 
 
 def test_scaling_needs_several_devices():

@@ -9,6 +9,7 @@ such as a hosted CPU session) the count is 0 without asking torch.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -160,6 +161,9 @@ def _plan(accelerator: Accelerator, indices: tuple[int, ...]) -> DevicePlan:
     return DevicePlan(accelerator, indices, gpus)
 
 
+_SHARE_OF = [1]  # threads_as_one_of(n): the cores are shared as among at least n workers
+
+
 def threads_per_worker(world_size: int) -> int | None:
     """Torch threads per CPU worker so N workers do not oversubscribe the cores.
 
@@ -171,4 +175,15 @@ def threads_per_worker(world_size: int) -> int | None:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    return max(1, cores // max(1, world_size))
+    return max(1, cores // max(1, world_size, _SHARE_OF[0]))
+
+
+@contextlib.contextmanager
+def threads_as_one_of(world_size: int):
+    """Launches in here give each CPU worker the threads one of ``world_size`` workers
+    gets: ``scaling()``'s one-rank run measures one of its N ranks, not the whole machine."""
+    before, _SHARE_OF[0] = _SHARE_OF[0], world_size
+    try:
+        yield
+    finally:
+        _SHARE_OF[0] = before

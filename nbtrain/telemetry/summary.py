@@ -30,6 +30,11 @@ class RankSummary:
     # mean seconds per step in each phase (telemetry/timing.py), same steps as step_time
     phases: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)  # last value of each
+    # steady state, for a speed-up (advice.py): the median step after the first tenth,
+    # its samples per second when the steps counted samples, and how many steps
+    steady_step_time: float | None = None
+    steady_samples_per_s: float | None = None
+    steady_steps: int = 0
 
     @property
     def model_bytes(self) -> int:
@@ -198,14 +203,30 @@ def summarize(history: History, world_size: int, strategy=None, accelerator: str
                       evaluation=evaluation_line(history))
     if bandwidth is not None:
         summary.link = link_line(summary, bandwidth)
-    if baseline is not None and baseline.step_time and summary.step_time:
-        summary.scaling = Scaling(world_size, summary.step_time, baseline.step_time)
+    if baseline is not None:
+        summary.scaling = scaling_of(summary, baseline)
     fewer = strategy.fewer_bytes(accelerator) if hasattr(strategy, "fewer_bytes") else []
     data = [r.share("data") for r in summary.ranks if r.share("data") is not None]
     summary.verdict, summary.remedies = verdict(world_size, summary.comm_share,
                                                 max(data, default=None), summary.scaling,
                                                 fewer)
     return summary
+
+
+def scaling_of(summary: Summary, baseline: Summary) -> Scaling | None:
+    """``summary``'s N ranks beside ``baseline``'s one, both in steady state: the
+    slowest rank's median step, the ranks' samples per second summed (when every rank
+    of both counted samples)."""
+    times = [r.steady_step_time for r in summary.ranks if r.steady_step_time]
+    one = [r.steady_step_time for r in baseline.ranks if r.steady_step_time]
+    if not times or not one:
+        return None
+    rates = [r.steady_samples_per_s for r in summary.ranks]
+    base = [r.steady_samples_per_s for r in baseline.ranks]
+    counted = all(rates) and all(base)
+    steps = min(r.steady_steps for r in [*summary.ranks, *baseline.ranks] if r.steady_steps)
+    return Scaling(len(summary.ranks), max(times), one[0],
+                   sum(rates) if counted else None, base[0] if counted else None, steps)
 
 
 def evaluation_line(history: History, rank: int = 0) -> str | None:
@@ -266,6 +287,14 @@ def _ranks(history: History, world_size: int) -> list[RankSummary]:
             s.step_time = total / len(timed)
             samples = sum(e.samples for e in timed)
             s.samples_per_s = samples / total if total > 0 and samples else None
+            steady = sorted(steps[max(1, len(steps) // 10):], key=lambda e: e.duration)
+            if steady:
+                middle = steady[len(steady) // 2]
+                s.steady_step_time, s.steady_steps = middle.duration, len(steady)
+                counted = sorted(e.samples / e.duration for e in steady
+                                 if e.samples and e.duration > 0)
+                if len(counted) == len(steady):
+                    s.steady_samples_per_s = counted[len(counted) // 2]
             measured = [e for e in timed if e.phases]
             if measured:
                 s.phases = {k: sum(e.phases.get(k, 0.0) for e in measured) / len(measured)

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..cells import mark_shown, shown_here
-from ..telemetry.advice import Scaling, advice_text, verdict
-from ..telemetry.summary import Summary
+from ..telemetry.advice import advice_text, verdict
+from ..telemetry.summary import Summary, scaling_of
 from ..units import format_bytes, unit_for
 from .palette import (
     HOST_CATEGORIES,
@@ -56,6 +56,7 @@ class Row:
     fn: str = ""  # the function's name: runs of the same one are compared for scaling
     accelerator: str = "cpu"
     metrics: dict[str, float] = field(default_factory=dict)  # rank 0's last ctx.log values
+    summary: Summary | None = None  # the run's own (a speed-up is read from it)
 
     @property
     def model_bytes(self) -> int:
@@ -183,7 +184,8 @@ class Comparison:
                             chosen=run.strategy, comm_share=summary.comm_share,
                             fn=getattr(run, "fn_name", ""),
                             accelerator=getattr(run, "accelerator", "cpu"),
-                            metrics=dict(summary.ranks[0].metrics) if summary.ranks else {}))
+                            metrics=dict(summary.ranks[0].metrics) if summary.ranks else {},
+                            summary=summary))
         return rows
 
     def _derive_n_params(self) -> int | None:
@@ -248,14 +250,15 @@ class Comparison:
         out = []
         for r in self.rows:
             one = next((b for b in self.rows if b.world_size == 1 and b.fn == r.fn
-                        and b.step_time), None)
-            if r.world_size < 2 or one is None or not r.step_time:
+                        and b.summary is not None), None)
+            if r.world_size < 2 or one is None or r.summary is None:
+                continue
+            scaling = scaling_of(r.summary, one.summary)
+            if scaling is None:
                 continue
             fewer = r.chosen.fewer_bytes(r.accelerator) if hasattr(r.chosen, "fewer_bytes") \
                 else []
-            sentence, remedies = verdict(r.world_size, r.comm_share, None,
-                                         Scaling(r.world_size, r.step_time, one.step_time),
-                                         fewer)
+            sentence, remedies = verdict(r.world_size, r.comm_share, None, scaling, fewer)
             out.append(f"{r.label}: {advice_text(sentence, remedies)}")
         return out
 
