@@ -20,8 +20,6 @@ tests/browser/screenshots/."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -35,9 +33,6 @@ if lab.missing():
     pytest.skip(f"the browser test {lab.missing()}", allow_module_level=True)
 
 SHOTS = Path(__file__).parent / "screenshots"
-# The README's picture of a live dashboard: NBTRAIN_UPDATE_DOCS=1 copies this test's
-# screenshot there.
-DOCS_PICTURE = Path(__file__).parents[2] / "docs" / "dashboard.png"
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
@@ -180,10 +175,8 @@ def test_dashboards_survive_reloads_restarts_and_reopening(no_leftovers, tmp_pat
                 statuses.append((status, "done" in charts["text"]))
                 seen.append(charts["points"])
                 if not shot and seen[-1] >= 60 and _charts(page, 1)["live"]:
-                    _shot(page, 1, "dashboard_live.png")  # the README's picture
+                    _shot(page, 1, "dashboard_live.png")
                     shot = True
-                    if os.environ.get("NBTRAIN_UPDATE_DOCS"):
-                        shutil.copy(SHOTS / "dashboard_live.png", DOCS_PICTURE)
                 if "done" in _charts(page, 1)["text"] and not _charts(page, 1)["live"]:
                     break
                 time.sleep(0.2)
