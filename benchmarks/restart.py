@@ -1,4 +1,4 @@
-"""How long does a rank's death cost a run with ``max_restarts``?
+"""How long does a rank's death cost a run with ``max_restarts``, beside torchrun's own?
 
 Two CPU ranks (gloo) train a 0.92M-parameter MLP with AdamW, saving a checkpoint
 (``ctx.checkpoint_every``, sharded) every 10 steps; rank 1 SIGKILLs itself at step 25 of
@@ -11,7 +11,13 @@ the first attempt, as the OOM killer would. Printed per start method, median [lo
                        their process group up, the checkpoint loaded, one step trained)
   steps lost:          steps trained again (from the checkpoint to the death)
 
-    python benchmarks/restart.py [--repeats 3] [--methods fork,forkserver,spawn]
+The same function and kill under torchrun's elastic agent (``--max-restarts 1``, its
+defaults otherwise): ``torchrun`` runs a script that calls ``launch()``, ``nbtrain-run``
+is ``nbtrain run benchmarks/restart.py:train``; the agent restarts both ranks, and
+``checkpoint_every`` finds its own last checkpoint. They have no kernel: only death ->
+next step is measured (rank 0 writes when its first step after the restart ends).
+
+    python benchmarks/restart.py [--repeats 3] [--methods fork,forkserver,spawn,torchrun,nbtrain-run]
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import argparse
 import os
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -39,9 +47,10 @@ def train(ctx, path: str, stamp: str):
     model, opt = ctx.setup(model, opt)
     state = ctx.checkpoint_every(SAVE_EVERY, path, model=model, optimizer=opt)
     x, y = torch.randn(32, 512), torch.randint(0, 10, (32,))
-    for step in range(state["step"], STEPS):
+    first = state["step"]
+    for step in range(first, STEPS):
         ctx.step = step  # the boundary where checkpoint_every saves
-        if step == DIE_AT and not ctx.resume_from and ctx.rank == 1:
+        if step == DIE_AT and not os.path.exists(stamp) and ctx.rank == 1:
             with open(stamp, "w") as f:
                 f.write(repr(time.monotonic()))
             os.kill(os.getpid(), signal.SIGKILL)
@@ -49,7 +58,35 @@ def train(ctx, path: str, stamp: str):
         ctx.backward(loss)
         opt.step()
         opt.zero_grad()
+        if step == first and first and ctx.rank == 0:  # the first step after a restart
+            with open(stamp + ".next", "w") as f:
+                f.write(f"{time.monotonic()!r} {first}")
     return step
+
+
+def under_torchrun(runner: str) -> tuple[float | None, float, int]:
+    """The same kill under torchrun's agent, run as ``runner``."""
+    here = os.path.abspath(__file__)
+    with tempfile.TemporaryDirectory() as tmp:
+        path, stamp = os.path.join(tmp, "ck"), os.path.join(tmp, "died")
+        restarts = ["--nproc-per-node", "2", "--max-restarts", "1"]
+        if runner == "nbtrain-run":
+            cmd = [sys.executable, "-m", "nbtrain", "run", f"{here}:train", f"path={path!r}",
+                   f"stamp={stamp!r}", "--accelerator", "cpu", *restarts]
+        else:
+            script = os.path.join(tmp, "job.py")
+            with open(script, "w") as f:
+                f.write(f"import sys, nbtrain\nsys.path.insert(0, {os.path.dirname(here)!r})\n"
+                        f"from restart import train\nnbtrain.launch(train, {path!r}, "
+                        f"{stamp!r}, accelerator='cpu')\n")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *restarts,
+                   script]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp)
+        if done.returncode != 0:
+            raise SystemExit(f"{runner} failed:\n{done.stderr[-3000:]}")
+        died = float(open(stamp).read())
+        when, first = open(stamp + ".next").read().split()
+    return None, float(when) - died, DIE_AT - int(first)
 
 
 def once(method: str) -> tuple[float, float, int]:
@@ -59,27 +96,27 @@ def once(method: str) -> tuple[float, float, int]:
                              accelerator="cpu", start_method=method, max_restarts=1,
                              dashboard=False)
         died = float(open(stamp).read())
-    events = run.history.events()
-    restart = next(e for e in events if e.kind == "restart")
-    after = events[events.index(restart):]
-    first = next(e for e in after if e.kind == "step")
-    resumed_at = next(e.step for e in after if e.kind == "step")
-    return restart.t - died, first.t - died, DIE_AT - resumed_at
+        when, first = open(stamp + ".next").read().split()  # as under torchrun
+    restart = next(e for e in run.history.events() if e.kind == "restart")
+    return restart.t - died, float(when) - died, DIE_AT - int(first)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", default="fork,forkserver,spawn")
+    parser.add_argument("--methods", default="fork,forkserver,spawn,torchrun,nbtrain-run")
     args = parser.parse_args()
     print(f"2 CPU ranks, a checkpoint every {SAVE_EVERY} steps, rank 1 killed at step "
           f"{DIE_AT}; median [lowest-highest] of {args.repeats}")
     print(f"{'start method':14s} {'death -> restart':>24s} {'death -> next step':>24s} "
           f"{'steps lost':>10s}")
     for method in args.methods.split(","):
-        rows = [once(method) for _ in range(args.repeats)]
+        rows = [under_torchrun(method) if method in ("torchrun", "nbtrain-run")
+                else once(method) for _ in range(args.repeats)]
 
         def cell(values):
+            if None in values:
+                return "-"
             return (f"{statistics.median(values):.2f} s [{min(values):.2f}-"
                     f"{max(values):.2f}]")
 
