@@ -159,17 +159,19 @@ def test_a_save_of_the_users_own_is_never_the_restarts_point(strategy, tmp_path)
     _same_weights(run, whole, strategy)
 
 
-def test_with_telemetry_off_a_restart_still_goes_on_from_its_checkpoint(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_with_telemetry_off_a_restart_still_goes_on_from_its_checkpoint(strategy, tmp_path):
     """telemetry=False: no metrics, steps or memory reach the kernel, but the reports
     of checkpoint_every's saves do, so the restart goes on from step 18, not step 0."""
-    kw = dict(own_seeds=True, devices=2, accelerator="cpu", dashboard=False, telemetry=False)
+    kw = dict(strategy=strategy, own_seeds=True, devices=2, accelerator="cpu",
+              dashboard=False, telemetry=False)
     whole = nbtrain.launch(every_train, str(tmp_path / "a"), **kw)
     path = str(tmp_path / "b")
     run = nbtrain.launch(every_train, path, die_at=20, max_restarts=1, **kw)
     [attempt] = run.attempts
     assert attempt.resume == path and run.results[0]["first"] == 18
     assert {e.kind for e in run.history.events()} <= {"checkpoint", "restart"}
-    _same_weights(run, whole, "telemetry off")
+    _same_weights(run, whole, f"{strategy}, telemetry off")
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
