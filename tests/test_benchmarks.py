@@ -33,6 +33,7 @@ SMALL = {
     "unused_params.py": ("--steps 3 --rounds 1 --width 16", "ratio True/False"),
     "restart.py": ("--repeats 1 --methods fork", "death -> next step"),
     "scaling.py": ("--repeats 1 --steps 5 --cases mlp-hand", "mlp-hand"),
+    "timeline.py": ("--repeats 1", "launch returned"),
     "evaluation.py": ("--repeats 1 --epochs 1", "steps counted: 64 of 64"),
     "rank_output.py": ("--repeats 1 --lines 200", "2 ranks"),
 }

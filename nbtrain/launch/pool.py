@@ -33,6 +33,7 @@ from typing import Any
 
 from ..cells import POOL_CODE, busy_while_blocking
 from ..plan import DevicePlan
+from ..units import format_bytes
 from ..wire import (
     Exec,
     Exit,
@@ -377,7 +378,7 @@ class PoolStatus(list):
 
 
 def _mb(n) -> str:
-    return "-" if n is None else f"{n / 2**20:.1f} MB"
+    return "-" if n is None else format_bytes(n)
 
 
 def _close_pools() -> None:
