@@ -82,7 +82,7 @@ def show_run(run: Run) -> None:
     ``run.summary()`` as text. Used when a ``Run`` is the last line of a cell."""
     from IPython.display import display
 
-    from .figures import build_figure
+    from .figures import figure_body
     from .header import error_html, header_html
     from .state import LiveState
     from .static import figure_bundle
@@ -93,7 +93,7 @@ def show_run(run: Run) -> None:
     display(header, raw=True)
     if len(run.history):
         try:
-            display(figure_bundle(build_figure(state), str(run.summary())), raw=True)
+            display(figure_bundle(figure_body(state), str(run.summary())), raw=True)
         except ImportError:
             display({"text/plain": str(run.summary())}, raw=True)
 

@@ -33,7 +33,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from .figures import build_figure, figure_height, figure_json
+from .figures import figure_body, figure_height, figure_json, template
 from .frontend import INSTALL, missing_widget_packages
 from .header import error_html, header_html, header_text, twin_style
 from .keeper import KeptDisplay
@@ -144,7 +144,7 @@ class Dashboard(LiveView):
         self._made += [self.widget, self.header, self.errors, *middle]
 
     def _build(self, boxed: bool) -> None:
-        from .livechart import LiveChart, ensure_plotly, template
+        from .livechart import LiveChart, ensure_plotly
 
         ensure_plotly()
         self.figure = LiveChart(template=template())
@@ -214,7 +214,7 @@ class Dashboard(LiveView):
         if final and self._handles is not None:
             # The static forms take the outputs' places, in every page (keeper.py); a
             # static figure's height follows its rows.
-            figure = figure_bundle(build_figure(state), shown["text/plain"]) \
+            figure = figure_bundle(figure_body(state), shown["text/plain"]) \
                 if state.has_data() else EMPTY  # no empty axes
             changes = [(self._handles[0], shown), (self._handles[1], figure)]
             if self._handles[2].version:  # a snapshot was shown there
@@ -246,7 +246,7 @@ class Dashboard(LiveView):
                 f'color:#757575">The charts below are a snapshot taken while the run was '
                 f"live ({html.escape(progress)}): the live view needs the kernel that ran "
                 f"the run, which is gone.</div>{SNAPSHOT_STYLE}")
-        figure = figure_bundle(build_figure(self.state), text, html=False)
+        figure = figure_bundle(figure_body(self.state), text, html=False)
         kept_update([(self._handles[1], {"text/html": note, "text/plain": ""}),
                      (self._handles[2], figure)])
 
@@ -291,4 +291,4 @@ class Dashboard(LiveView):
         with self.state.lock:
             header = self._header_bundle()
         show(header, raw=True)
-        show(figure_bundle(build_figure(self.state), header["text/plain"]), raw=True)
+        show(figure_bundle(figure_body(self.state), header["text/plain"]), raw=True)

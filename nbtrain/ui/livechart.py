@@ -86,10 +86,4 @@ def ensure_plotly() -> None:
         _LOADER = PlotlyJS(_esm=_plotly_source())
 
 
-@functools.cache
-def template() -> dict:
-    """plotly's white template as plotly.js takes it (plotly.py resolves names; the page
-    does not)."""
-    import plotly.io as pio
 
-    return pio.templates["plotly_white"].to_plotly_json()

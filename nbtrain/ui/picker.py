@@ -275,10 +275,10 @@ class StrategyPicker:
         empty = {"text/plain": ""}
         chart = empty
         if self.dashboard is not None and self.run is not None and self.run.done:
-            from .figures import build_figure
+            from .figures import figure_body
             from .static import figure_bundle
 
-            chart = figure_bundle(build_figure(self.dashboard.state),
+            chart = figure_bundle(figure_body(self.dashboard.state),
                                   f"the last run: {self.run.strategy.summary()}")
         if comparison is None:
             return {"text/html": head, "text/plain": text}, chart, empty

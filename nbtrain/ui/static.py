@@ -21,7 +21,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from .figures import build_figure
+from .figures import figure_body
 from .header import error_html, header_html, header_text
 from .view import LiveView
 
@@ -35,9 +35,15 @@ CONFIG = {"displaylogo": False, "responsive": True}
 
 
 def figure_bundle(fig, text: str, html: bool = True) -> dict:
-    """A display bundle of a plotly figure: plotly's mimetype, an HTML twin for viewers
-    without plotly's renderer (``html=False`` leaves it out) and a text twin."""
-    body = json.loads(fig.to_json())
+    """A display bundle of a plotly figure (plotly.py's, or ``figures.figure_body``'s
+    dict): plotly's mimetype, an HTML twin for viewers without plotly's renderer
+    (``html=False`` leaves it out) and a text twin."""
+    if isinstance(fig, dict):  # NaN and numbers of numpy's made JSON as plotly.py makes them
+        from plotly.io.json import to_json_plotly
+
+        body = json.loads(to_json_plotly(fig))
+    else:
+        body = json.loads(fig.to_json())
     body.setdefault("config", CONFIG)
     bundle = {PLOTLY_MIME: body, "text/plain": text}
     if html:
@@ -147,7 +153,7 @@ class StaticView(LiveView):
             return header, {"text/plain": ""}
         with self.state.lock:
             text = self.state.progress_line()
-        return header, figure_bundle(build_figure(self.state), text, html=final)
+        return header, figure_bundle(figure_body(self.state), text, html=final)
 
     def draw_header(self) -> None:
         header = self.header()
