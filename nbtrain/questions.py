@@ -14,7 +14,7 @@ the prompt labelled with the rank, and the answer goes back on the rank's comman
 (``ANSWER``). Where nothing can answer (nbclient, whose frontend takes no input; a
 script whose stdin is closed), the rank's ``input`` raises EOFError saying why, as a
 script's does at the end of its input; a debugger then quits. Like ``wire.py``, it
-imports nothing of nbtrain but the record's framing.
+imports nothing of nbtrain but the record's framing and the answer's kind (``wire``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable
 
 from .display_record import Display, encode_display
+from .wire import ANSWER  # kernel -> rank, on its command pipe: JSON {"text", "error"}
 
-ANSWER = b"I"  # kernel -> rank, on its command pipe: JSON {"text": ..., "error": ...}
 NOTICE_S = 1.0  # a question nothing asked within this long is pointed out in the cell
 _HEAD = '{"msg_type": "input_request"'  # how a question's record starts
 

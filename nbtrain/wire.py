@@ -46,6 +46,7 @@ ACTIVITY = b"A"
 READY = b"R"
 VALUE = b"V"
 MEMORY = b"M"
+ANSWER = b"I"  # kernel -> rank, on its command pipe: a question's answer (questions.py)
 
 # Why a run's ranks were ended before they all returned; None: they returned (or one
 # failed on its own and the others were ended because of it, see ``root_failure``).

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -126,7 +127,9 @@ class DDPBuckets:
         self.model = ddp_model
         self.synced = False
         self._sizes: list[int] | None = None
-        ddp_model.register_forward_pre_hook(self._on_forward)
+        # outside any graph, as telemetry's hooks are (timing.outside_graphs): a model
+        # compiled after ctx.setup would trace the flag's read into a constant
+        ddp_model.register_forward_pre_hook(torch.compiler.disable(self._on_forward))
 
     def _on_forward(self, module, args) -> None:
         self.synced = self.synced or bool(module.require_backward_grad_sync)
