@@ -6,7 +6,8 @@ in Debian's Chromium, driven by Playwright, the README's example on 2 CPU ranks:
   busy all along: whether the kernel's status stayed "busy" until the cell ended
 
 cold: the kernel's first launch (torch and nbtrain imported in an earlier cell, as in a
-notebook); warm: the next launches. Needs the dev extras and Chromium (apt-get install
+notebook, the kernel then idle ``--pause`` seconds: a user writing the launch cell; 0 is
+"Run All"); warm: the next launches. Needs the dev extras and Chromium (apt-get install
 chromium).
 
     python benchmarks/browser.py [--repeats 3] [--app lab|notebook]
@@ -79,6 +80,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="warm launches (default 3)")
     parser.add_argument("--app", choices=("lab", "notebook"), default="lab")
+    parser.add_argument("--pause", type=float, default=2.0,
+                        help="seconds idle between the import cell and the first launch")
     args = parser.parse_args()
     why = lab.missing()
     if why:
@@ -90,10 +93,12 @@ def main() -> None:
             lab.open_notebook(page, url)
             lab.run_cell(page, 0)
             lab.wait_idle(page, 0, timeout=120)
+            time.sleep(args.pause)
             cold = measure(page, 1)
             warm = [measure(page, 1) for _ in range(args.repeats)]
     print(f"\n{args.app}, Chromium headless, 2 CPU ranks, the README's model; "
-          f"{os.cpu_count()} cores; ms from asking to run the cell")
+          f"{os.cpu_count()} cores; ms from asking to run the cell; cold: {args.pause:g} s "
+          "idle after the import cell")
     print(f"{'':6s} {'header live':>12s} {'first chart':>12s} {'busy all along':>15s}")
 
     def fmt(v):

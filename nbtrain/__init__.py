@@ -10,7 +10,7 @@ from . import checkpoint, strategies
 from .bandwidth import bandwidth
 from .context import Context
 from .errors import RunStoppedError, RunTimeoutError, WorkerError, remember_cell_names
-from .launch import culprit, launch
+from .launch import culprit, launch, warm
 from .launch.pool import RankPool
 from .run import Run, last_run
 from .scaleout import torchrun as _torchrun  # noqa: F401  (launch() under torchrun)
@@ -19,6 +19,7 @@ from .scaleout.slurm import submit
 from .scaling import scaling
 from .telemetry.settings import Telemetry
 from .ui import StrategyPicker, compare, progress
+from .ui import preload as _preload_chart
 
 __all__ = ["Context", "RankPool", "Run", "RunStoppedError", "RunTimeoutError",
            "StrategyPicker", "Telemetry", "WorkerError", "bandwidth", "compare", "last_run",
@@ -28,6 +29,9 @@ __version__ = "0.1.0"
 
 remember_cell_names()  # in an IPython 7 kernel, tracebacks name cells as IPython 8's do
 culprit.install()  # from now on, whatever touches CUDA is named if fork becomes unsafe
+# In a kernel, while it waits for the next cell: the first launch's imports, and plotly.js
+# to the page where the first dashboard will draw with it.
+warm.when_idle(warm.warm_kernel, _preload_chart)
 
 
 

@@ -274,6 +274,42 @@ def test_import_stays_light():
     assert done.stdout.strip() == "False", done.stderr
 
 
+@pytest.mark.parametrize("server", [False, True], ids=["plain client", "Jupyter server"])
+def test_a_kernel_pays_the_first_launchs_imports_between_cells(server, monkeypatch):
+    """In a kernel, what the first launch would import is imported while the kernel waits
+    for the next cell, on its main thread: not in the import cell, with no thread left for
+    a fork to copy. Where the dashboard will be the widget one (a Jupyter server's
+    notebook), plotly.js is sent to the page then too; elsewhere nothing is."""
+    from kernel import Kernel
+
+    if server:
+        monkeypatch.setenv("JPY_SESSION_NAME", "/tmp/untitled.ipynb")  # as jupyter_server sets
+    kernel = Kernel(startup="import sys, threading, torch")
+    try:
+        kinds = "sorted(type(t).__name__ for t in threading.enumerate())"
+        threads = kernel.value(kinds)
+        assert kernel.value("(__import__('nbtrain'), 'torch._dynamo' in sys.modules)[1]") is False
+        deadline = time.monotonic() + 60
+        while not kernel.value("'torch._dynamo' in sys.modules"):
+            assert time.monotonic() < deadline, "the kernel never warmed while idle"
+            time.sleep(0.2)
+        new = list(kernel.value(kinds))
+        for kind in threads:
+            new.remove(kind)
+        # pyzmq's own, to send plotly.js's 5 MB without a copy (as the first dashboard's
+        # sending always started it): blocked in a receive, nothing a fork could copy held
+        assert set(new) <= ({"GarbageCollectorThread"} if server else set()), new
+        loader = kernel.value("(lambda m: m is not None and m._LOADER is not None)"
+                              "(sys.modules.get('nbtrain.ui.livechart'))")
+        assert loader is server
+        code = "import nbtrain\ndef one(ctx):\n    return ctx.rank\n"
+        assert kernel.value(code + "nbtrain.launch(one, devices=2, accelerator='cpu').results") \
+            == [0, 1]
+        assert not wait_no_descendants(kernel.pid)
+    finally:
+        kernel.shutdown()
+
+
 def test_launches_start_warm(kernel_clean):
     """The kernel pays once for what every forked worker would import on every launch."""
     kernel = kernel_clean

@@ -11,12 +11,21 @@ Measured with ``set(sys.modules)`` in a forked worker of a 1M-parameter MLP with
 under ddp and fsdp: ``torch._dynamo`` brings ~820 of the ~845 modules a worker imported.
 The rest cost little, except a strategy's own (zero1's ``torch.distributed.optim``
 compiles TorchScript on import, 1.3 s): a strategy lists them in ``warm_imports``.
+
+In a Jupyter kernel the common part is paid earlier still, while the kernel waits for the
+user's next cell (``when_idle``, at ``import nbtrain``): the launch cell's header and first
+chart then show without it. The kernel's event loop runs it on the main thread between
+cells, so no import races a cell's and no thread is alive at a fork; a cell that arrives
+meanwhile waits for it (at most what its launch would have paid), and an interrupt
+between cells is ignored by ipykernel, as always.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import sys
+import warnings
 
 # What every training function pays for: building an optimizer imports torch._dynamo;
 # seeding a rank (seeding.py) imports numpy.random, lazily loaded by numpy (5 ms); a rank's
@@ -51,3 +60,31 @@ def warm_kernel(extra: tuple[str, ...] = ()) -> list[str]:
             if name in extra:
                 raise
     return [name for name in new if name in sys.modules]
+
+
+# After the cell that imported nbtrain has had its reply sent and the kernel shows idle.
+IDLE_DELAY = 0.5
+
+
+def when_idle(*tasks, delay: float = IDLE_DELAY) -> bool:
+    """In a Jupyter kernel, run ``tasks`` (default: ``warm_kernel``) once the kernel is
+    between cells; returns whether they were scheduled (outside a kernel's event loop
+    there is nothing to do: a script's first launch pays at the launch)."""
+    if "ipykernel" not in sys.modules:
+        return False
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no loop running on this thread: not a kernel's cell
+        return False
+    loop.call_later(delay, _quietly, tasks or (warm_kernel,))
+    return True
+
+
+def _quietly(tasks) -> None:
+    for task in tasks:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                task()
+        except Exception:  # the launch does it again and reports what fails there
+            pass

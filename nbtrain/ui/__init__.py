@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from .. import run as _run
 from ..cells import mark_shown, shown_here
 from .compare import Comparison, compare
-from .frontend import choose_mode
+from .frontend import choose_mode, dashboard_forced, jupyter_server_session, missing_widget_packages
 from .picker import StrategyPicker
 from .progress import Progress, progress
 from .report import write_report
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ..run import Run
 
 __all__ = ["Comparison", "Progress", "StrategyPicker", "attach_dashboard", "compare",
-           "make_view", "progress", "show_run"]
+           "make_view", "preload", "progress", "show_run"]
 
 
 def make_view(run: Run | None, mode: str, display: bool = True):
@@ -75,6 +75,23 @@ def attach_dashboard(run: Run, dashboard="auto"):
     if mode != "text":
         mark_shown(run)
     return view
+
+
+def preload() -> bool:
+    """Between cells after ``import nbtrain`` (``launch.warm.when_idle``): bring plotly.js
+    to the page before the first dashboard needs it, where the dashboard will be the
+    widget one in a Jupyter server's notebook (JupyterLab, Notebook 7), so a fresh
+    kernel's first chart does not wait for the browser to receive and evaluate 5 MB.
+    Elsewhere (Colab, the classic Notebook, VS Code, a plain client) the first dashboard
+    brings it, as before. Returns whether it did."""
+    if dashboard_forced() not in ("", "auto", "widget", "true", "1"):
+        return False
+    if not jupyter_server_session() or missing_widget_packages():
+        return False
+    from .livechart import ensure_plotly  # anywidget: only where widgets will draw
+
+    ensure_plotly()
+    return True
 
 
 def show_run(run: Run) -> None:

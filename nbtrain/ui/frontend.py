@@ -121,7 +121,7 @@ def choose_mode(dashboard="auto") -> str | None:
     if dashboard is False or dashboard is None:
         return None
     if dashboard in (True, "auto"):
-        forced = os.environ.get("NBTRAIN_DASHBOARD", "").strip().lower()
+        forced = dashboard_forced()
         if forced in ("off", "false", "0", "none"):
             return None
         if forced in MODES:
@@ -142,6 +142,11 @@ def choose_mode(dashboard="auto") -> str | None:
     if dashboard == "text":
         return "text"
     return detect()
+
+
+def dashboard_forced() -> str:
+    """``NBTRAIN_DASHBOARD`` as written (lower case), "" when unset."""
+    return os.environ.get("NBTRAIN_DASHBOARD", "").strip().lower()
 
 
 def detect() -> str:
