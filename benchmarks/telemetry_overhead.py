@@ -138,7 +138,7 @@ def main() -> None:
     unknown = set(modes) - set(MODES)
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
-    for strategy in args.strategies.split(","):
+    for strategy in args.strategies.split(",") if args.rounds > 0 else ():
         rates: dict[str, list[float]] = {mode: [] for mode in modes}
         for i in range(args.rounds):
             order = modes if i % 2 == 0 else list(reversed(modes))
