@@ -274,16 +274,14 @@ def test_import_stays_light():
     assert done.stdout.strip() == "False", done.stderr
 
 
-@pytest.mark.parametrize("server", [False, True], ids=["plain client", "Jupyter server"])
-def test_a_kernel_pays_the_first_launchs_imports_between_cells(server, monkeypatch):
+def test_a_kernel_pays_the_first_launchs_imports_between_cells(monkeypatch):
     """In a kernel, what the first launch would import is imported while the kernel waits
     for the next cell, on its main thread: not in the import cell, with no thread left for
-    a fork to copy. Where the dashboard will be the widget one (a Jupyter server's
-    notebook), plotly.js is sent to the page then too; elsewhere nothing is."""
+    a fork to copy. In a Jupyter server's notebook, where the dashboard will be the widget
+    one, plotly.js is sent to the page then too (elsewhere nothing is: test_ui)."""
     from kernel import Kernel
 
-    if server:
-        monkeypatch.setenv("JPY_SESSION_NAME", "/tmp/untitled.ipynb")  # as jupyter_server sets
+    monkeypatch.setenv("JPY_SESSION_NAME", "/tmp/untitled.ipynb")  # as jupyter_server sets
     kernel = Kernel(startup="import sys, threading, torch")
     try:
         kinds = "sorted(type(t).__name__ for t in threading.enumerate())"
@@ -298,10 +296,8 @@ def test_a_kernel_pays_the_first_launchs_imports_between_cells(server, monkeypat
             new.remove(kind)
         # pyzmq's own, to send plotly.js's 5 MB without a copy (as the first dashboard's
         # sending always started it): blocked in a receive, nothing a fork could copy held
-        assert set(new) <= ({"GarbageCollectorThread"} if server else set()), new
-        loader = kernel.value("(lambda m: m is not None and m._LOADER is not None)"
-                              "(sys.modules.get('nbtrain.ui.livechart'))")
-        assert loader is server
+        assert set(new) <= {"GarbageCollectorThread"}, new
+        assert kernel.value("sys.modules['nbtrain.ui.livechart']._LOADER is not None")
         code = "import nbtrain\ndef one(ctx):\n    return ctx.rank\n"
         assert kernel.value(code + "nbtrain.launch(one, devices=2, accelerator='cpu').results") \
             == [0, 1]

@@ -406,6 +406,36 @@ def test_a_kernel_gets_the_live_widget_where_a_frontend_draws_it(monkeypatch):
     assert frontend.detect() == "widget"  # Colab
 
 
+def test_plotly_js_goes_ahead_only_to_a_jupyter_servers_notebook(monkeypatch):
+    """``ui.preload`` (between cells after ``import nbtrain``) brings plotly.js to the page
+    only where the first dashboard will be the widget one in JupyterLab or Notebook 7; in
+    Colab, VS Code, a plain client, or with the dashboard turned off, nothing is sent."""
+    import types
+
+    from nbtrain import ui
+    from nbtrain.ui import livechart
+
+    made = []
+    monkeypatch.setattr(livechart, "ensure_plotly", lambda: made.append(1))
+    monkeypatch.delenv("NBTRAIN_DASHBOARD", raising=False)
+    for name in [k for k in os.environ if k.startswith(("VSCODE_", "JPY_SESSION"))]:
+        monkeypatch.delenv(name)
+    assert ui.preload() is False  # nbclient, papermill, a plain client
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    monkeypatch.setenv("JPY_SESSION_NAME", "/work/train.ipynb")
+    assert ui.preload() is False  # Colab: its widget manager gets it with the dashboard
+    monkeypatch.delitem(sys.modules, "google.colab")
+    monkeypatch.setenv("VSCODE_PID", "1")
+    assert ui.preload() is False
+    monkeypatch.delenv("VSCODE_PID")
+    for off in ("off", "static", "text"):
+        monkeypatch.setenv("NBTRAIN_DASHBOARD", off)
+        assert ui.preload() is False
+    monkeypatch.delenv("NBTRAIN_DASHBOARD")
+    assert made == []
+    assert ui.preload() is True and made == [1]  # JupyterLab, Notebook 7
+
+
 def test_missing_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(frontend, "missing_widget_packages", lambda: ["anywidget"])
     frontend._warned.clear()
