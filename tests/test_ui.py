@@ -428,12 +428,14 @@ def test_plotly_js_goes_ahead_only_to_a_jupyter_servers_notebook(monkeypatch):
     monkeypatch.setenv("VSCODE_PID", "1")
     assert ui.preload() is False
     monkeypatch.delenv("VSCODE_PID")
-    for off in ("off", "static", "text"):
+    for off in ("off", "none", "static", "text"):
         monkeypatch.setenv("NBTRAIN_DASHBOARD", off)
         assert ui.preload() is False
-    monkeypatch.delenv("NBTRAIN_DASHBOARD")
     assert made == []
-    assert ui.preload() is True and made == [1]  # JupyterLab, Notebook 7
+    monkeypatch.setenv("NBTRAIN_DASHBOARD", "widget")
+    assert ui.preload() is True and made == [1]
+    monkeypatch.delenv("NBTRAIN_DASHBOARD")
+    assert ui.preload() is True and made == [1, 1]  # JupyterLab, Notebook 7
 
 
 def test_missing_package_names_the_install_command(monkeypatch):

@@ -67,8 +67,7 @@ IDLE_DELAY = 0.5
 
 
 def when_idle(*tasks, delay: float = IDLE_DELAY) -> bool:
-    """In a Jupyter kernel, run ``tasks`` (default: ``warm_kernel``) once the kernel is
-    between cells; returns whether they were scheduled (outside a kernel's event loop
+    """In a Jupyter kernel, run ``tasks`` once the kernel is between cells; returns whether they were scheduled (outside a kernel's event loop
     there is nothing to do: a script's first launch pays at the launch)."""
     if "ipykernel" not in sys.modules:
         return False
@@ -76,7 +75,7 @@ def when_idle(*tasks, delay: float = IDLE_DELAY) -> bool:
         loop = asyncio.get_running_loop()
     except RuntimeError:  # no loop running on this thread: not a kernel's cell
         return False
-    loop.call_later(delay, _quietly, tasks or (warm_kernel,))
+    loop.call_later(delay, _quietly, tasks)
     return True
 
 

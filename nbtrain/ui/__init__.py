@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING
 from .. import run as _run
 from ..cells import mark_shown, shown_here
 from .compare import Comparison, compare
-from .frontend import choose_mode, dashboard_forced, jupyter_server_session, missing_widget_packages
+from .frontend import (
+    MODES,
+    OFF,
+    choose_mode,
+    dashboard_forced,
+    jupyter_server_session,
+    missing_widget_packages,
+)
 from .picker import StrategyPicker
 from .progress import Progress, progress
 from .report import write_report
@@ -84,7 +91,8 @@ def preload() -> bool:
     kernel's first chart does not wait for the browser to receive and evaluate 5 MB.
     Elsewhere (Colab, the classic Notebook, VS Code, a plain client) the first dashboard
     brings it, as before. Returns whether it did."""
-    if dashboard_forced() not in ("", "auto", "widget", "true", "1"):
+    forced = dashboard_forced()  # read as choose_mode reads it
+    if forced in OFF or (forced in MODES and forced != "widget"):
         return False
     if not jupyter_server_session() or missing_widget_packages():
         return False

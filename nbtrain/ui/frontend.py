@@ -23,6 +23,7 @@ import warnings
 from ..run import DASHBOARDS
 
 MODES = ("widget", "static", "text")
+OFF = ("off", "false", "0", "none")  # NBTRAIN_DASHBOARD values that turn the view off
 INSTALL = "pip install ipywidgets anywidget plotly"
 _warned: set[str] = set()
 
@@ -122,7 +123,7 @@ def choose_mode(dashboard="auto") -> str | None:
         return None
     if dashboard in (True, "auto"):
         forced = dashboard_forced()
-        if forced in ("off", "false", "0", "none"):
+        if forced in OFF:
             return None
         if forced in MODES:
             dashboard = forced
@@ -145,7 +146,8 @@ def choose_mode(dashboard="auto") -> str | None:
 
 
 def dashboard_forced() -> str:
-    """``NBTRAIN_DASHBOARD`` as written (lower case), "" when unset."""
+    """``NBTRAIN_DASHBOARD`` as written (lower case), "" when unset: one of ``OFF`` or
+    ``MODES`` decides; any other value leaves the choice to ``detect``."""
     return os.environ.get("NBTRAIN_DASHBOARD", "").strip().lower()
 
 
