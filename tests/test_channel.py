@@ -14,7 +14,7 @@ from nbtrain.telemetry.channel import (
     read_frame,
 )
 from nbtrain.telemetry.client import TelemetryClient
-from nbtrain.telemetry.events import Lifecycle, Metric, decode, encode
+from nbtrain.telemetry.events import Lifecycle, Metric, decode, encode, encode_many
 
 
 class Collect:
@@ -43,10 +43,12 @@ def test_events_round_trip_and_reject_junk():
 
 
 def test_every_event_arrives_in_order_per_rank():
+    """Also when a flush holds more than one frame's worth (``BATCH``)."""
     sink = Collect()
     server = TelemetryServer(sink)
     try:
-        clients = [TelemetryClient(server.address, server.token, rank) for rank in (0, 1)]
+        clients = [TelemetryClient(server.address, server.token, rank, flush_interval=60.0)
+                   for rank in (0, 1)]
         for step in range(500):
             for c in clients:
                 c.send(Metric(rank=c.rank, step=step, t=time.monotonic(), values={"x": step}))
@@ -207,6 +209,35 @@ def test_a_client_refuses_a_listener_that_cannot_prove_the_token():
         fake.close()
 
 
+def test_a_listener_of_an_older_nbtrain_gets_one_event_a_frame():
+    """A rank batches its events into one frame only for a listener that reads arrays
+    (protocol 3): an older nbtrain's listener on another host still gets each event."""
+    fake = socket.create_server(("127.0.0.1", 0))
+    frames = []
+
+    def older():
+        conn, _ = fake.accept()
+        conn.sendall(frame(json.dumps({"nbtrain": 2, "challenge": "00" * 16}).encode()))
+        read_frame(conn)  # the hello
+        try:
+            while True:
+                frames.append(read_frame(conn))
+        except ConnectionRefusedError:  # the client closed
+            conn.close()
+
+    thread = threading.Thread(target=older)
+    thread.start()
+    try:
+        client = TelemetryClient(fake.getsockname(), "the-token", 0, flush_interval=60.0)
+        for step in range(3):
+            client.send(Metric(rank=0, step=step, t=0.0, values={"x": 1.0}))
+        client.close()
+    finally:
+        thread.join(5)
+        fake.close()
+    assert [decode(f).step for f in frames] == [0, 1, 2]
+
+
 def test_garbage_and_oversized_frames_are_dropped_not_fatal():
     sink = Collect()
     server = TelemetryServer(sink)
@@ -222,10 +253,16 @@ def test_garbage_and_oversized_frames_are_dropped_not_fatal():
         sock.sendall(good(2))
         sock.sendall((MAX_FRAME + 10).to_bytes(4, "big") + b"z" * (MAX_FRAME + 10))
         sock.sendall(good(3))
+        # a rank's batch: its good events arrive, a broken one and another rank's do not
+        batch = json.loads(encode_many([Metric(rank=0, step=s, t=0.0, values={"x": 1.0})
+                                        for s in (4, 5, 6)]))
+        batch[1]["values"] = {"x": "not a number"}
+        batch.insert(2, {**batch[0], "rank": 5})
+        sock.sendall(frame(json.dumps(batch).encode()))
         sock.close()
         assert server.wait_closed({0}, timeout=10)
-        assert [e.step for e in sink.events] == [0, 2, 3]
-        assert server.malformed == 2 and server.oversized == 1
+        assert [e.step for e in sink.events] == [0, 2, 3, 4, 6]
+        assert server.malformed == 4 and server.oversized == 1
     finally:
         server.close()
 

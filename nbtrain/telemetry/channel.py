@@ -3,7 +3,7 @@
 The same channel serves fork and spawn workers and, through ``nbtrain.listen()``, the
 ranks of a torchrun job on other hosts: the kernel hands each worker an address and a
 secret token (a job gets both in one string, ``host:port:token``). Frames are a 4-byte
-big-endian length and a JSON body.
+big-endian length and a JSON body: one event, or an array of a rank's queued events.
 
 The token never crosses the wire (a listener on ``0.0.0.0`` is reachable by anyone on
 the network): as in ``multiprocessing.connection``'s ``authkey`` handshake, the listener
@@ -33,13 +33,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from .events import Event, decode
+from .events import Event, decode_many
 
 MAX_FRAME = 1 << 20  # bytes; larger frames are skipped
 _HEADER = struct.Struct(">I")
 
 
-PROTOCOL = 2  # 2: challenge and HMAC (1 sent the token in the hello)
+PROTOCOL = 3  # 3: a frame may hold an array of events; 2: challenge and HMAC (1 sent
+#              the token in the hello)
 
 
 def mac(token: str, purpose: bytes, *parts: bytes) -> str:
@@ -217,14 +218,14 @@ class TelemetryServer:
                     self._drop(conn)
                     return
                 continue
-            event = decode(body)
-            if event is None or event.rank != conn.rank:
-                self.malformed += 1
-                continue
-            try:
-                conn.handler(event)
-            except Exception:  # a broken sink must not end the channel
-                self.malformed += 1
+            for event in decode_many(body):  # one event, or a rank's batch of them
+                if event is None or event.rank != conn.rank:
+                    self.malformed += 1
+                    continue
+                try:
+                    conn.handler(event)
+                except Exception:  # a broken sink must not end the channel
+                    self.malformed += 1
 
     def _hello(self, conn: _Conn, body: bytes) -> bool:
         try:
@@ -278,9 +279,10 @@ def read_frame(sock: socket.socket) -> bytes:
     return exactly(size)
 
 
-def handshake(sock: socket.socket, token: str, hello: dict, timeout: float) -> None:
+def handshake(sock: socket.socket, token: str, hello: dict, timeout: float) -> int:
     """The client's side: answer the listener's challenge with an HMAC'd hello; with
-    ``hello["ack"]``, check the listener's proof that it knows the token too."""
+    ``hello["ack"]``, check the listener's proof that it knows the token too. Returns
+    the listener's protocol (an older nbtrain's listener reads one event a frame)."""
     sock.settimeout(timeout)
     try:
         opening = json.loads(read_frame(sock))
@@ -304,6 +306,8 @@ def handshake(sock: socket.socket, token: str, hello: dict, timeout: float) -> N
             raise ConnectionRefusedError("the listener could not prove it knows the token "
                                          "(not the notebook's listener?)")
     sock.settimeout(None)
+    protocol = opening.get("nbtrain")
+    return protocol if isinstance(protocol, int) else 2
 
 
 def format_address(host: str, port: int, token: str) -> str:

@@ -1,7 +1,7 @@
 """The rank's end of the telemetry channel (``channel.py`` has the listener and the wire
 format): ``send`` only queues an event; a thread of its own proves the token (the
-listener's HMAC challenge), then writes batches of frames every 50 ms, often while the
-training loop is in torch's C++ code without the GIL."""
+listener's HMAC challenge), then writes what is queued every 50 ms, often while the
+training loop is in torch's C++ code without the GIL: up to ``BATCH`` events a frame."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import collections
 import socket
 import threading
 
-from .channel import frame, handshake
-from .events import Event, encode
+from .channel import MAX_FRAME, frame, handshake
+from .events import Event, encode, encode_many
+
+BATCH = 256  # events a frame holds at most (a step's are ~250 bytes; a frame, MAX_FRAME)
 
 
 class TelemetryClient:
@@ -35,10 +37,11 @@ class TelemetryClient:
         # hello: the rank, plus what a remote job says about itself (run id...)
         greeting = {**(hello or {}), "rank": rank}
         self._handshake = lambda: handshake(self._sock, token, greeting, connect_timeout)
+        self._many = True  # frames of several events (a listener of protocol 3 or later)
         if greeting.get("ack") is True:
             # a listener elsewhere: the rank must know now whether it took the token
             try:
-                self._handshake()
+                self._many = self._handshake() >= 3
             except BaseException:
                 self._sock.close()
                 raise
@@ -75,17 +78,28 @@ class TelemetryClient:
             self._buf.clear()
             upto = self._queued
         frames = []
-        for event in events:
-            try:
-                frames.append(frame(encode(event)))
-            except Exception:  # one event that cannot be encoded must not end the stream
-                self.dropped += 1
+        for i in range(0, len(events), BATCH):
+            chunk = events[i:i + BATCH]
+            body = None
+            if self._many:
+                try:
+                    body = encode_many(chunk)
+                except Exception:  # one event that cannot be encoded must not end the stream
+                    pass
+            if body is not None and len(body) <= MAX_FRAME:
+                frames.append(frame(body))
+                continue
+            for event in chunk:  # one at a time: what is too large or broken stays alone
+                try:
+                    frames.append(frame(encode(event)))
+                except Exception:
+                    self.dropped += 1
         return b"".join(frames), upto
 
     def _loop(self) -> None:
         if self._handshake is not None:
             try:
-                self._handshake()
+                self._many = self._handshake() >= 3
             except Exception as err:  # refused, or the kernel is gone: events are dropped
                 self.lost = f"{type(err).__name__}: {err}"
                 return

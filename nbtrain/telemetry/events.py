@@ -129,30 +129,61 @@ EVENT_TYPES: dict[str, type[Event]] = {
 _JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=True)
 
 
-def encode(event: Event) -> bytes:
+def _body(event: Event) -> dict[str, Any]:
     # vars(), not dataclasses.asdict: the fields are flat (numbers, strings, dicts of
     # numbers), and asdict's deep copy was most of a worker's ~12 µs per event.
-    return _JSON.encode({"v": SCHEMA_VERSION, "kind": event.kind, **vars(event)}).encode()
+    return {"v": SCHEMA_VERSION, "kind": event.kind, **vars(event)}
+
+
+def encode(event: Event) -> bytes:
+    return _JSON.encode(_body(event)).encode()
+
+
+def encode_many(events: list[Event]) -> bytes:
+    """Several events as one JSON array: a rank's batch goes out as one frame, which the
+    kernel parses at once (per event, 1.7 µs instead of 5 to parse and 2.8 instead of 4.3
+    to encode, measured; a tiny step sends three)."""
+    return _JSON.encode([_body(e) for e in events]).encode()
+
+
+# each kind's field names, and those that hold a mapping of numbers (checked on decode)
+_FIELDS = {kind: tuple(f.name for f in fields(cls)) for kind, cls in EVENT_TYPES.items()}
+_MAPPINGS = {kind: tuple(n for n in ("values", "counts", "bytes", "phases") if n in names)
+             for kind, names in _FIELDS.items()}
 
 
 def decode(data: bytes) -> Event | None:
     """The event in ``data``, or ``None`` when it is not a well-formed event of a known kind."""
     try:
-        body: Any = json.loads(data)
-        cls = EVENT_TYPES[body["kind"]]
+        return _event(json.loads(data))
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def decode_many(data: bytes) -> list[Event | None]:
+    """The events of a frame: one event, or ``encode_many``'s array of them (``None`` for
+    each that is not well formed)."""
+    try:
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return [None]
+    return [_event(b) for b in body] if isinstance(body, list) else [_event(body)]
+
+
+def _event(body: Any) -> Event | None:
+    try:
+        kind = body["kind"]
+        cls = EVENT_TYPES[kind]
         if body.get("v") != SCHEMA_VERSION:
             return None
-        values = {f.name: body[f.name] for f in fields(cls) if f.name in body}
-        event = cls(**values)
-        if not isinstance(event.rank, int) or not isinstance(event.step, int):
+        event = cls(**{name: body[name] for name in _FIELDS[kind] if name in body})
+        if type(event.rank) is not int or type(event.step) is not int:
             return None
-        for name in ("values", "counts", "bytes", "phases"):
-            mapping = getattr(event, name, None)
-            if mapping is not None and not (
-                    isinstance(mapping, dict)
-                    and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                            for v in mapping.values())):
+        for name in _MAPPINGS[kind]:
+            mapping = getattr(event, name)
+            if not (isinstance(mapping, dict)
+                    and all(type(v) in (int, float) for v in mapping.values())):
                 return None
         return event
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (KeyError, TypeError):
         return None
