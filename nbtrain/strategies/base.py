@@ -225,7 +225,9 @@ class Strategy:
     def collective_probe(self, model: nn.Module):
         """For telemetry: an object whose ``take()`` gives the sizes of the collectives
         the strategy issued from C++ since the last call (where a Python hook would miss
-        them or cost the step), or None when its collectives go through Python."""
+        them or cost the step), and whose ``on_forward(module, args)``, if it has one,
+        telemetry runs before each forward of ``model``; or None when its collectives go
+        through Python."""
         return None
 
     def sharded(self) -> frozenset[str]:

@@ -127,11 +127,12 @@ class DDPBuckets:
         self.model = ddp_model
         self.synced = False
         self._sizes: list[int] | None = None
-        # outside any graph, as telemetry's hooks are (timing.outside_graphs): a model
-        # compiled after ctx.setup would trace the flag's read into a constant
-        ddp_model.register_forward_pre_hook(torch.compiler.disable(self._on_forward))
 
-    def _on_forward(self, module, args) -> None:
+    def on_forward(self, module, args) -> None:
+        """A forward pre-hook of the DDP model, which telemetry installs (in the time
+        breakdown's own, when it times: one hook, not two), outside any graph
+        (timing.outside_graphs): a model compiled after ctx.setup would trace the
+        flag's read into a constant."""
         self.synced = self.synced or bool(module.require_backward_grad_sync)
 
     def take(self) -> list[int]:

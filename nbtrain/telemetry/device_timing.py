@@ -211,7 +211,7 @@ def _device_phases(marks: list, spans: list[tuple[str, int, int]], duration: flo
         for phase in ("forward", "backward", "optimizer", "comm"):
             acc[phase] *= room / device
     acc["other"] = max(0.0, duration - sum(acc.values()))
-    return {k: round(v, 6) for k, v in acc.items()}
+    return acc
 
 
 __all__ = ["HOLD", "DeviceStepClock"]

@@ -74,11 +74,17 @@ class Recorder:
         self._optimizers = list(optimizers)
         if strategy is not None and self.comm:
             self._ddp = strategy.collective_probe(model)
+        # one hook a point: the probe's and the step's ride in the clock's when it times
+        probe = getattr(self._ddp, "on_forward", None)
         if self.clock is not None:
-            self.clock.watch(model, self._optimizers)
-        if self._optimizers:
-            self._optimizers[0].register_step_post_hook(
-                outside_graphs(self._after_optimizer_step))
+            self.clock.watch(model, self._optimizers, before_forward=probe,
+                             after_step=self._after_optimizer_step)
+        else:
+            if probe is not None:
+                model.register_forward_pre_hook(outside_graphs(probe))
+            if self._optimizers:
+                self._optimizers[0].register_step_post_hook(
+                    outside_graphs(self._after_optimizer_step))
         if self._activations is not None:
             model.register_forward_pre_hook(outside_graphs(self._before_forward))
             model.register_forward_hook(outside_graphs(self._after_forward))
@@ -310,6 +316,10 @@ class Recorder:
                 raise TypeError(f"ctx.log({key}=...) takes numbers or scalar tensors; got "
                                 f"{type(value).__name__}.")
             values[key] = value
+        if not (on_accelerator or self._pending):  # numbers already: out at once
+            self.client.send(Metric(rank=self.rank, step=step, t=time.monotonic(),
+                                    values=values))
+            return
         self._pending.append((step, time.monotonic(), values))
         if not on_accelerator or len(self._pending) >= METRIC_BATCH:
             self.flush_metrics()

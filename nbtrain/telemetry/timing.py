@@ -67,21 +67,39 @@ class StepClock:
         self._engine = _engine()
 
     # -- installing ----------------------------------------------------------------------
-    def watch(self, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Time ``model``'s forward and backward and the optimizers' steps. Call before any
-        other step post-hook that reads ``take()`` (post-hooks run in the order added)."""
-        self._hooks.append(model.register_forward_pre_hook(outside_graphs(self._forward_start)))
+    def watch(self, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer],
+              before_forward: Callable | None = None,
+              after_step: Callable | None = None) -> None:
+        """Time ``model``'s forward and backward and the optimizers' steps. The caller's
+        ``before_forward`` (a forward pre-hook) and ``after_step`` (the first optimizer's
+        step post-hook) run in the same hooks, after the clock's own: a hook costs a tiny
+        step microseconds, two at one point cost it twice."""
+        start = self._forward_start
+        if before_forward is not None:
+            def start(module, args):
+                self._forward_start(module, args)
+                before_forward(module, args)
+        self._hooks.append(model.register_forward_pre_hook(outside_graphs(start)))
         self._hooks.append(model.register_forward_hook(outside_graphs(self._forward_end)))
-        for opt in optimizers:
-            self.watch_optimizer(opt)
+        for i, opt in enumerate(optimizers):
+            self.watch_optimizer(opt, after_step if i == 0 else None)
 
-    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Time ``optimizer``'s steps (one without torch's step hooks: its step is "other")."""
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer,
+                        after_step: Callable | None = None) -> None:
+        """Time ``optimizer``'s steps (one without torch's step hooks: its step is
+        "other"); ``after_step`` runs after the optimizer phase is closed."""
         pre = getattr(optimizer, "register_step_pre_hook", None)
         post = getattr(optimizer, "register_step_post_hook", None)
         if pre is not None and post is not None:
+            end = self._optimizer_end
+            if after_step is not None:
+                def end(optimizer, args, kwargs):
+                    self._optimizer_end(optimizer, args, kwargs)
+                    after_step(optimizer, args, kwargs)
             self._hooks.append(pre(outside_graphs(self._optimizer_start)))
-            self._hooks.append(post(outside_graphs(self._optimizer_end)))
+            self._hooks.append(post(outside_graphs(end)))
+        elif after_step is not None and post is not None:
+            self._hooks.append(post(outside_graphs(after_step)))
 
     def install_waits(self) -> None:
         """Time every wait on a collective made from Python: ``Work.wait``, which the
@@ -128,6 +146,10 @@ class StepClock:
             self._close(self._forward_at, "forward")
             self._forward_at = None
         if torch.is_grad_enabled():
+            if isinstance(output, torch.Tensor):  # the common case, without a generator
+                if output.requires_grad:
+                    output.register_hook(self._backward_start)
+                return
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(self._backward_start)
@@ -199,15 +221,20 @@ class StepClock:
 
     def take(self, duration: float) -> dict[str, float]:
         """The phases of a step that lasted ``duration`` seconds (``other``: the rest),
-        and start the next step's."""
+        and start the next step's. (On every step: kept to a few lines.)"""
         acc, self._acc = self._acc, dict.fromkeys(PHASES, 0.0)
-        acc["comm"], self._waited = self._waited, 0.0
-        for name in ("_forward_at", "_backward_at", "_final_at", "_optimizer_at"):
-            at = getattr(self, name)  # open across the boundary: its waits were taken
-            if at is not None:
-                setattr(self, name, (at[0], at[1] - acc["comm"]))
+        waited = acc["comm"] = self._waited
+        if waited:
+            self._waited = 0.0
+            for name in _OPEN:  # open across the boundary: its waits were taken
+                at = getattr(self, name)
+                if at is not None:
+                    setattr(self, name, (at[0], at[1] - waited))
         acc["other"] = max(0.0, duration - sum(acc.values()))
-        return {k: round(v, 6) for k, v in acc.items()}
+        return acc
+
+
+_OPEN = ("_forward_at", "_backward_at", "_final_at", "_optimizer_at")
 
 
 def _tensors(output, depth: int = 0):
