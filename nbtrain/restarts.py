@@ -21,11 +21,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .errors import COLLECTIVE_MISMATCH
-from .wire import Outcome, first_line
+from .wire import Ending, Outcome, Teardown, first_line
 
-RETRIED_TYPES = ("WorkerExit", "StartTimeout")
-CRASHES = ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE")  # the rank's own code, in native code
+# the endings a restart may cure: the rank's own code did not cause them (the docstring)
+RETRIED = frozenset({Ending.KILLED, Ending.EXITED, Ending.NEVER_JOINED,
+                     Ending.COMMUNICATION, Ending.INTERRUPTED})
 
 
 @dataclass(frozen=True)
@@ -91,15 +91,13 @@ def collective_timeout(timeout: float | None, max_restarts: int) -> float:
 
 def retry_cause(outcome: Outcome) -> str | None:
     """Why the attempt's ranks ended, when a restart may cure it; None otherwise."""
-    if outcome.crash is not None or outcome.teardown_cause in ("stop", "timeout", "remote"):
-        return None
+    if outcome.crash is not None or outcome.teardown_cause not in (None, Teardown.FAILURE):
+        return None  # stopped, timed out (timeout= bounds the whole run), or watched only
     root = outcome.root_failure()
-    if root is None or COLLECTIVE_MISMATCH.search(root.message) or root.exc_type in CRASHES:
+    if root is None or root.ending not in RETRIED:
         return None
-    if root.exc_type.startswith("SIG") or root.exc_type in RETRIED_TYPES or root.secondary:
-        said = first_line(root.message)  # rank first, once
-        return said if said.startswith(f"rank {root.rank} ") else f"rank {root.rank}: {said}"
-    return None
+    said = first_line(root.message)  # rank first, once
+    return said if said.startswith(f"rank {root.rank} ") else f"rank {root.rank}: {said}"
 
 
 def history_text(attempts: list[Attempt]) -> str:

@@ -22,7 +22,7 @@ from .telemetry.events import Checkpoint, Event, Lifecycle, Output, Restart
 from .telemetry.history import History
 from .telemetry.sinks import Sink, SinkDispatcher
 from .telemetry.summary import Summary, summarize
-from .wire import Outcome, decode_result, first_line, label
+from .wire import Outcome, Teardown, decode_result, first_line, label
 
 # How runs are shown: a UI registers itself here, so Run depends on no UI.
 #   "attach": (run, dashboard) -> a live view (a sink with .start()) or None
@@ -356,12 +356,12 @@ class Run:
             self._status = "failed"
             raise RuntimeError("nbtrain's supervisor failed (a bug in nbtrain; the workers were "
                                f"ended): {type(outcome.crash).__name__}: {outcome.crash}") from outcome.crash
-        if outcome.teardown_cause == "stop":
+        if outcome.teardown_cause is Teardown.STOP:
             self._status = "stopped"
             self.rank_status.update({r: "stopped" for r, w in workers.items() if w.result is None})
             self._say(where_text(at) and f"nbtrain: the run was stopped; {where_text(at)}")
             return
-        if outcome.teardown_cause == "timeout":
+        if outcome.teardown_cause is Teardown.TIMEOUT:
             self._status = "failed"
             finished = [r for r, w in workers.items() if w.result is not None]
             where = {r: at[r] for r in outcome.timed_out_ranks}
@@ -393,7 +393,7 @@ class Run:
             # launch() showed a live view in this cell: it shows the traceback already
             self._error.shown_in_cell = getattr(self, "_nbtrain_shown_in", None)
             return
-        if outcome.teardown_cause == "remote":  # a watched job: its results stay with it
+        if outcome.teardown_cause is Teardown.REMOTE:  # a watched job: its results stay with it
             ended = all(s == "done" for s in self.rank_status.values())
             self._status = "done" if ended else "stopped"
             return
@@ -412,10 +412,9 @@ class Run:
             self.rank_status[rank] = "done"
         self._results = results
         self._status = "done"
-        note = getattr(outcome, "note", None)  # e.g. every rank trained alone
-        if note:
-            self.note = note
-            self._say(note)
+        if outcome.note:  # e.g. every rank trained alone
+            self.note = outcome.note
+            self._say(outcome.note)
 
 
 def _stop_active_runs() -> None:

@@ -23,18 +23,21 @@ anything else). Every reader decodes through the functions here: a malformed or 
 message is a ``ValueError`` that says what arrived, never a ``KeyError`` deep in a reader.
 
 ``Outcome`` is what ``Run`` reads once the ranks are done, whoever ran them: the local
-``Supervisor``, a pool operation, torchrun's ranks or a watched job.
+``Supervisor``, a pool operation, torchrun's ranks or a watched job; why they were ended
+(``Teardown``) and how a rank failed (``Ending``) are typed, set where it was seen, and
+read by ``Run`` and the restart rule (``restarts.py``) without matching names.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import pickle
 import threading
 import traceback
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 RESULT_PICKLE = b"P"
 RESULT_DILL = b"D"
@@ -48,9 +51,28 @@ VALUE = b"V"
 MEMORY = b"M"
 ANSWER = b"I"  # kernel -> rank, on its command pipe: a question's answer (questions.py)
 
-# Why a run's ranks were ended before they all returned; None: they returned (or one
-# failed on its own and the others were ended because of it, see ``root_failure``).
-Cause = Literal["failure", "stop", "timeout", "remote"] | None
+class Teardown(enum.Enum):
+    """Why a run's ranks were ended before they all returned (an outcome's
+    ``teardown_cause``; None: they returned, or ended on their own)."""
+
+    FAILURE = "failure"  # a rank failed on its own; the others were ended because of it
+    STOP = "stop"  # run.stop(), the stop button, an interrupt
+    TIMEOUT = "timeout"  # the run's own timeout=
+    REMOTE = "remote"  # a watched job: it goes on where it runs; only the watching ended
+
+
+class Ending(enum.Enum):
+    """How a rank failed, as the kernel classified it where it saw the failure."""
+
+    RAISED = "raised"  # the function raised an exception
+    COMMUNICATION = "communication"  # a communication error (mostly a peer's death, seen from afar)
+    MISMATCH = "collective mismatch"  # it ran a collective the others did not, or another size
+    KILLED = "killed"  # a signal from outside (the OOM killer's SIGKILL, SIGTERM, NCCL's abort)
+    CRASHED = "crashed"  # a fault in native code (SIGSEGV, SIGBUS, SIGILL, SIGFPE)
+    EXITED = "exited"  # the process exited without returning
+    NEVER_JOINED = "never joined"  # it did not join its process group in time
+    INTERRUPTED = "interrupted"  # nbtrain interrupted it (its KeyboardInterrupt)
+    MALFORMED = "malformed"  # its message could not be read (two different nbtrains)
 
 
 class FailureLike(Protocol):
@@ -62,6 +84,8 @@ class FailureLike(Protocol):
     message: str
     traceback: str
     hint: str
+    ending: Ending
+    secondary: bool  # not the root cause (a peer's death seen from afar, an interrupt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +120,10 @@ class Outcome(Protocol):
 
     done: threading.Event
     workers: dict[int, RankOutcome]
-    teardown_cause: Cause
-    timed_out_ranks: Sequence[int]  # the ranks still busy, when it is "timeout"
+    teardown_cause: Teardown | None
+    timed_out_ranks: Sequence[int]  # the ranks still busy, on Teardown.TIMEOUT
     crash: BaseException | None  # nbtrain's own failure while running them
+    note: str | None  # what the run says when it ends well (every rank trained alone)
 
     def start(self) -> None:
         """Begin following the ranks (once the run follows this; again: nothing)."""

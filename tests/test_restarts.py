@@ -245,6 +245,46 @@ def test_the_collective_timeout_leaves_the_restarts_their_time():
     assert collective_timeout(100, 2) == 60 and collective_timeout(7200, 1) == 600
 
 
+def test_the_restart_rule_reads_how_a_rank_failed_not_its_names():
+    """Each way a rank ends is typed where the kernel saw it (``wire.Ending``); the rule
+    reads that, never an exception's type name or a message."""
+    from types import SimpleNamespace
+
+    from nbtrain.launch.failures import Failure, exit_failure, reported_failure
+    from nbtrain.restarts import retry_cause
+    from nbtrain.wire import Ending, RankFailure, Teardown
+
+    def reported(kind, message, interrupted=False):
+        return reported_failure(1, RankFailure(1, kind, "builtins", message, "", ""),
+                                interrupted).ending
+
+    assert exit_failure(1, -9).ending is Ending.KILLED
+    assert exit_failure(1, -15).ending is Ending.KILLED
+    assert exit_failure(1, -11).ending is Ending.CRASHED
+    assert exit_failure(1, 3).ending is Ending.EXITED
+    assert reported("ValueError", "bad value") is Ending.RAISED
+    assert reported("RuntimeError", "[../gloo/transport] Connection closed by peer") \
+        is Ending.COMMUNICATION
+    assert reported("RuntimeError", "Detected mismatch between collectives on ranks") \
+        is Ending.MISMATCH
+    assert reported("KeyboardInterrupt", "", interrupted=True) is Ending.INTERRUPTED
+
+    def outcome(failure, teardown=None):
+        return SimpleNamespace(crash=None, teardown_cause=teardown,
+                               root_failure=lambda: failure)
+
+    def failure(kind, ending):
+        return Failure(1, kind, f"rank 1 ended ({kind})", "", 0.0, ending=ending)
+
+    retried = {e for e in Ending if retry_cause(outcome(failure("SIGKILL", e)))}
+    assert retried == {Ending.KILLED, Ending.EXITED, Ending.NEVER_JOINED,
+                       Ending.COMMUNICATION, Ending.INTERRUPTED}
+    assert retry_cause(outcome(failure("X", Ending.KILLED))) == "rank 1 ended (X)"
+    for teardown in (Teardown.STOP, Teardown.TIMEOUT, Teardown.REMOTE):
+        assert retry_cause(outcome(failure("SIGKILL", Ending.KILLED), teardown)) is None
+    assert retry_cause(outcome(failure("SIGKILL", Ending.KILLED), Teardown.FAILURE))
+
+
 def test_checkpoint_every_in_a_loop_without_a_loader(tmp_path):
     """A hand-written loop (``ctx.step = step`` at the top of each step, batches drawn
     from the generator): saved every 6 steps, resumed from 18 exactly."""

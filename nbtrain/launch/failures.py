@@ -8,8 +8,8 @@ import re
 import time
 from dataclasses import dataclass
 
-from ..errors import peers_returned_hint, signal_hint, signal_name
-from ..wire import RankFailure
+from ..errors import COLLECTIVE_MISMATCH, peers_returned_hint, signal_hint, signal_name
+from ..wire import Ending, RankFailure
 from .stacks import Dump, native_message
 
 _COMM_ERROR = re.compile(r"gloo|nccl|connection (closed|reset) by peer|broken pipe|"
@@ -33,15 +33,22 @@ class Failure:
     # nbtrain's doing: the error of a rank freed from a stuck collective (a pool's peers
     # left its process group), shown as the rank being stopped, not as its failure
     stopped: bool = False
+    ending: Ending = Ending.RAISED  # how it failed (what a restart may cure)
+
+# a fault in the rank's own native code, not a signal from outside
+CRASHES = ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE")
 
 
 def reported_failure(rank: int, body: RankFailure, interrupted: bool) -> Failure:
     """The exception a rank reported; ``interrupted``: nbtrain interrupted the rank."""
     text = f"{body.type}: {body.message}\n{body.traceback}"
+    interrupt = interrupted and body.type == "KeyboardInterrupt"
+    comm = bool(_COMM_ERROR.search(text))
+    ending = (Ending.INTERRUPTED if interrupt
+              else Ending.MISMATCH if COLLECTIVE_MISMATCH.search(body.message)
+              else Ending.COMMUNICATION if comm else Ending.RAISED)
     return Failure(rank, body.type, unwrapped(body.message), body.traceback, time.monotonic(),
-                   hint=body.hint,
-                   secondary=(interrupted and body.type == "KeyboardInterrupt")
-                   or bool(_COMM_ERROR.search(text)))
+                   hint=body.hint, secondary=interrupt or comm, ending=ending)
 
 
 def unwrapped(message: str) -> str:
@@ -75,19 +82,22 @@ def exit_failure(rank: int, exitcode: int, exit_hint: str = "",
     if exitcode < 0:
         sig = -exitcode
         name = f"{signal_name(sig)} (signal {sig})"
+        ending = Ending.CRASHED if signal_name(sig) in CRASHES else Ending.KILLED
         if not dying:
             return Failure(rank, signal_name(sig), f"rank {rank} was killed by {name} "
                            "without a Python traceback", "", time.monotonic(),
-                           hint=signal_hint(sig))
+                           hint=signal_hint(sig), ending=ending)
         native = native_message(list(before))
+        if native and COLLECTIVE_MISMATCH.search(native):  # a native abort on a mismatch
+            ending = Ending.MISMATCH
         return Failure(rank, signal_name(sig),
                        f"rank {rank} was killed by {name} in native code"
                        + (f": {native}" if native else ""),
                        Dump.parse(dying).traceback() or "\n".join(dying), time.monotonic(),
-                       hint=signal_hint(sig, native))
+                       hint=signal_hint(sig, native), ending=ending)
     return Failure(rank, "WorkerExit", f"rank {rank} exited with code {exitcode} before "
                    "returning (os._exit() or a crash in native code?)", "", time.monotonic(),
-                   hint=exit_hint if exitcode == 1 else "")
+                   hint=exit_hint if exitcode == 1 else "", ending=Ending.EXITED)
 
 
 def with_stack(failure: Failure | None, exitcode: int | None, dying: list[str],
@@ -108,3 +118,4 @@ def explain_alone(failure: Failure, returned: list[int], world_size: int) -> Non
     returned: not a peer's death but a collective this rank ran and they did not."""
     if failure.secondary and not failure.hint and len(returned) == world_size - 1:
         failure.secondary, failure.hint = False, peers_returned_hint(failure.rank, returned)
+        failure.ending = Ending.MISMATCH

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 from ..errors import cell_names
+from ..wire import Ending
 from .failures import Failure
 from .stacks import Dump
 
@@ -74,7 +75,7 @@ class Late:
                            f"{', '.join(map(str, joined)) or 'none'}); where it waits:")
             w.failure = Failure(
                 w.rank, "StartTimeout", message, stack, now,
-                secondary=w.at_store and bool(missing),
+                secondary=w.at_store and bool(missing), ending=Ending.NEVER_JOINED,
                 hint="The start was ended; nothing of your function ran. Launch again. If a "
                      "start hangs again, the stack above says where: please report it with "
                      "that stack.")

@@ -16,7 +16,7 @@ from ..cells import busy_while_blocking
 from ..errors import RunTimeoutError, places_of, where_text
 from ..output import CellOutput
 from ..questions import answer_waiting
-from ..wire import Command, DropGroup, Regroup, encode_command
+from ..wire import Command, DropGroup, Regroup, Teardown, encode_command
 from .launcher import interrupts_deferred
 from .links import links
 from .pool_op import INTERRUPT_GRACE_S, STUCK_S, PoolOp, cell_error
@@ -140,7 +140,7 @@ class PoolChannel:
         failed = [f"rank {f.rank}: {f.exc_type}: {f.message}" for f in again.failures]
         if again.crash or again.pool_broken or again.teardown_cause or failed:
             self.workers.end("its process group could not be started again after freeing "
-                             f"a stuck rank ({'; '.join(failed) or again.teardown_cause})")
+                             f"a stuck rank ({'; '.join(failed) or again.teardown_cause.value})")
             return
         ranks = ", ".join(map(str, op.freed))
         s = "s" if len(op.freed) > 1 else ""
@@ -231,7 +231,7 @@ class PoolChannel:
             raise KeyboardInterrupt("\n".join(filter(None, [
                 ended or f"interrupted on rank(s) {op.interrupted}; the pool is still usable",
                 not ended and note, where_text({r: at[r] for r in op.interrupted})])))
-        if op.teardown_cause == "timeout":
+        if op.teardown_cause is Teardown.TIMEOUT:
             err = RunTimeoutError(timeout, op.timed_out_ranks,
                                   [r for r in ranks if r not in op.timed_out_ranks],
                                   {r: at[r] for r in op.timed_out_ranks})

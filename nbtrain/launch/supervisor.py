@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 
-from ..wire import Activity
+from ..wire import Activity, Teardown
 from .failures import Failure, exit_failure
 from .launcher import WorkerHandle
 from .watch import RankState, Watch
@@ -32,7 +32,7 @@ class Follower:
     def __init__(self, handles: list[WorkerHandle], emit, deadline: float | None, join: bool):
         self.watch = Watch(handles, emit, join)
         self.deadline = deadline
-        self.teardown_cause: str | None = None  # "failure", "stop", "timeout"
+        self.teardown_cause: Teardown | None = None  # FAILURE, STOP or TIMEOUT
         self.stop_reason: str | None = None
         self.timed_out_ranks: list[int] = []
         self.crash: BaseException | None = None
@@ -87,12 +87,12 @@ class Follower:
         """Decide (once) whether to end now: a stop asked for, the deadline passed, or
         ``failed``; sets ``teardown_cause`` and returns True when so."""
         if self.stop_requested:
-            self.teardown_cause, self.stop_reason = "stop", self.stop_requested
+            self.teardown_cause, self.stop_reason = Teardown.STOP, self.stop_requested
         elif self.deadline is not None and now >= self.deadline:
-            self.teardown_cause = "timeout"
+            self.teardown_cause = Teardown.TIMEOUT
             self.timed_out_ranks = [w.rank for w in self.watch.busy()]
         elif failed:
-            self.teardown_cause = "failure"
+            self.teardown_cause = Teardown.FAILURE
         return self.teardown_cause is not None
 
     def timeout(self, now: float) -> float:
@@ -148,9 +148,9 @@ class Supervisor(Follower):
         return not self.watch.root_failure().secondary or now - failures[0].t >= FAILURE_GRACE_S
 
     def _exited(self, w: RankState) -> None:
-        if w.failure or w.result is not None or self.teardown_cause in ("stop", "timeout"):
+        if w.failure or w.result is not None or self.teardown_cause in (Teardown.STOP, Teardown.TIMEOUT):
             return
-        if self.teardown_cause == "failure" and w.exitcode < 0:
+        if self.teardown_cause is Teardown.FAILURE and w.exitcode < 0:
             return  # we ended it
         w.failure = exit_failure(w.rank, w.exitcode, w.handle.exit_hint)
 

@@ -24,6 +24,7 @@ from ..wire import (
     JOINED,
     STORE,
     Activity,
+    Ending,
     Frame,
     decode_activity,
     decode_failure,
@@ -229,7 +230,7 @@ class Watch:
         except ValueError as err:  # not nbtrain's message: the rank's failure, said as such
             w.failure = Failure(w.rank, "MalformedMessage", str(err), "", time.monotonic(),
                                 hint="nbtrain's rank and kernel disagree on the wire; are "
-                                     "both the same nbtrain?")
+                                     "both the same nbtrain?", ending=Ending.MALFORMED)
         if tag in (ACTIVITY, FAILURE):
             return
         w.result = data

@@ -33,6 +33,7 @@ from ..cells import cell_parent
 from ..run import Run
 from ..telemetry.channel import TelemetryServer, format_address
 from ..telemetry.events import Event, Lifecycle
+from ..wire import Ending, Teardown
 
 __all__ = ["Watch", "listen"]
 
@@ -58,6 +59,8 @@ class RemoteFailure:
     message: str
     traceback: str
     hint: str = ""
+    ending: Ending = Ending.RAISED  # what the job said: its exception (or its end)
+    secondary: bool = False
 
 
 class Job:
@@ -65,8 +68,9 @@ class Job:
     (what ``Run`` reads from a supervisor)."""
 
     crash = None
-    teardown_cause = "remote"
+    teardown_cause = Teardown.REMOTE
     timed_out_ranks = ()
+    note = None
 
     def __init__(self, run: Run):
         self.run = run

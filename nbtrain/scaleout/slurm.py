@@ -35,7 +35,7 @@ from ..launch.spawn import serialize
 from ..plan import DevicePlan
 from ..run import Run
 from ..telemetry.settings import Telemetry
-from ..wire import Reported, encode_result
+from ..wire import Reported, Teardown, encode_result
 from .listen import Job, RemoteFailure, Watch
 from .torchrun import ATTACH_ENV, RUN_ID_ENV
 
@@ -215,7 +215,7 @@ class _SlurmJob(Job):
         """``run.stop()``: cancel the job (its ranks end with it)."""
         if self.done.is_set():
             return  # ended already (the listener's close asks too)
-        self.teardown_cause = "stop"
+        self.teardown_cause = Teardown.STOP
         subprocess.run(["scancel", str(self.job.job_id)], capture_output=True, check=False)
 
     def _poll(self) -> None:
@@ -240,7 +240,7 @@ class _SlurmJob(Job):
         return time.monotonic() - self._written_at > LINGER_S
 
     def _collect(self) -> None:
-        if self.teardown_cause == "stop":
+        if self.teardown_cause is Teardown.STOP:
             return
         deadline = time.monotonic() + 10  # result files land after the queue forgets
         while time.monotonic() < deadline and not all(

@@ -58,6 +58,7 @@ class _Finished:
     crash = None
     teardown_cause = None
     timed_out_ranks = ()
+    note = None
 
     def __init__(self, results: list[bytes]):
         self.done = threading.Event()

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
