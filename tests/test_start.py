@@ -127,3 +127,27 @@ def test_ranks_that_return_at_once_never_fail_a_peer_still_joining():
         for p in spinners:
             p.kill()
             p.wait()
+
+
+def test_a_run_option_is_taken_alike_by_launch_and_pool_launch():
+    """Each of ``start.RUN_OPTIONS`` is a parameter of launch(), pool.launch() and
+    ``start.check`` with one default, and ``check`` puts it in the ``Request``: a new
+    option missing from one of them fails here, not in a user's run."""
+    import dataclasses
+    import inspect
+
+    from nbtrain.launch import start
+    from nbtrain.launch.pool import RankPool
+
+    takers = [inspect.signature(f).parameters for f in (nbtrain.launch, RankPool.launch,
+                                                        start.check)]
+    fields = {f.name for f in dataclasses.fields(start.Request)}
+    for name in start.RUN_OPTIONS:
+        defaults = {repr(p[name].default) for p in takers}
+        assert len(defaults) == 1, (name, defaults)
+        assert name in fields or name == "strategy", name  # (the strategy: bound, chosen)
+    request = start.check("launch()", lambda ctx: None, (), {},
+                          **start.options(dict(timeout=5.0, seed=3, max_restarts=2,
+                                               background=True, devices=4)))
+    assert (request.timeout, request.seed, request.max_restarts, request.background) == \
+        (5.0, 3, 2, True)

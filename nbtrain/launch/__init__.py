@@ -99,15 +99,11 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
     rank raises ``WorkerError`` in its process. ``NBTRAIN_ATTACH=HOST:PORT:TOKEN`` (from
     ``nbtrain.listen()``) streams every rank's events to that notebook.
     """
+    options = start.options(locals())
     calls.warn_shadowed("launch()", fn, calls.given(
-        launch, devices=devices, strategy=strategy, accelerator=accelerator,
-        start_method=start_method, background=background, timeout=timeout,
-        telemetry=telemetry, sinks=sinks, dashboard=dashboard, resume=resume, seed=seed,
-        max_restarts=max_restarts))
-    request = start.check("launch()", fn, args, kwargs, strategy=strategy, timeout=timeout,
-                          telemetry=telemetry, sinks=sinks, dashboard=dashboard,
-                          resume=resume, seed=seed, background=background,
-                          max_restarts=max_restarts)
+        launch, devices=devices, accelerator=accelerator, start_method=start_method,
+        **options))
+    request = start.check("launch()", fn, args, kwargs, **options)
     # Ranks started by torchrun or a cluster (SLURM's srun, LSF's jsrun, Kubeflow): this
     # process is one, and a scale-out backend runs the function here (scaleout/).
     found = start.in_process(accelerator)

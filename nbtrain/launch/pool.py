@@ -235,15 +235,10 @@ class RankPool:
         as ``nbtrain.launch`` does (same arguments, except that devices, accelerator and
         start method are the pool's). What the run made is freed on every rank when it
         ends (on CUDA the allocator's cache is emptied too)."""
-        calls.warn_shadowed("pool.launch()", fn, calls.given(
-            RankPool.launch, strategy=strategy, background=background, timeout=timeout,
-            telemetry=telemetry, sinks=sinks, dashboard=dashboard, resume=resume, seed=seed,
-            max_restarts=max_restarts))
+        options = start.options(locals())
+        calls.warn_shadowed("pool.launch()", fn, calls.given(RankPool.launch, **options))
         self._check_open()
-        request = start.check("pool.launch()", fn, args, kwargs, strategy=strategy,
-                              timeout=timeout, telemetry=telemetry, sinks=sinks,
-                              dashboard=dashboard, resume=resume, seed=seed,
-                              background=background, max_restarts=max_restarts)
+        request = start.check("pool.launch()", fn, args, kwargs, **options)
         with busy_while_blocking():
             return start.execute(request, self.plan, PoolLaunch(self))
 

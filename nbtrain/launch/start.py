@@ -72,6 +72,18 @@ class Request:
         return self.seed if self.seed is not None else 0
 
 
+# A run's options, as launch() and pool.launch() take them under these names: both pass
+# them on with ``options(locals())``; a new one is a parameter of theirs, of ``check``
+# (where it is checked) and a field of ``Request``.
+RUN_OPTIONS = ("strategy", "timeout", "telemetry", "sinks", "dashboard", "resume", "seed",
+               "background", "max_restarts")
+
+
+def options(scope: dict[str, Any]) -> dict[str, Any]:
+    """The run options among a call's ``locals()``, for ``check`` and ``calls.given``."""
+    return {name: scope[name] for name in RUN_OPTIONS if name in scope}
+
+
 def check(who: str, fn, args: tuple, kwargs: dict, *, strategy: str | Strategy = "ddp",
           timeout: float | None = None, telemetry: bool | Telemetry = True, sinks=(),
           dashboard: bool | str = "auto", resume=None, seed: int | None = None,
@@ -91,9 +103,10 @@ def check(who: str, fn, args: tuple, kwargs: dict, *, strategy: str | Strategy =
         raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, False, or "
                          "force one view: 'widget', 'static' or 'text'.")
     call, own, chosen = calls.bind(who, fn, args, kwargs, strategies.get(strategy))
-    return Request(call, tuple(args), own, chosen, seeding.base_seed(seed), seed, timeout,
-                   Telemetry.from_arg(telemetry), tuple(sinks), dashboard,
-                   _resume_path(resume), background, max_restarts)
+    return Request(call, tuple(args), own, chosen, seeding.base_seed(seed), seed=seed,
+                   timeout=timeout, telemetry=Telemetry.from_arg(telemetry), sinks=tuple(sinks),
+                   dashboard=dashboard, resume=_resume_path(resume), background=background,
+                   max_restarts=max_restarts)
 
 
 def refuse_in_a_rank(who: str) -> None:
