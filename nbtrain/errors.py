@@ -125,7 +125,7 @@ class RunTimeoutError(WorkerError):
 
 
 def places_of(ranks: dict) -> dict[int, str]:
-    """``{rank: frame_text(its where)}`` for ranks of a run's outcome (``wire.RankOutcome``);
+    """``{rank: frame_text(its where)}`` for ranks of a run's outcome (``outcome.RankOutcome``);
     "" for a rank that did not say where it was."""
     return {r: frame_text(getattr(w, "where", None)) for r, w in ranks.items()}
 
@@ -187,7 +187,7 @@ _RANKS_CELL = re.compile(re.escape(RANKS_CELL).replace(r"\{\}", r"(\d+)"))
 
 
 def frame_text(frame) -> str:
-    """A ``wire.Frame`` on one line, as a cell names it: ``Cell In[5], line 8, in train:
+    """An ``outcome.Frame`` on one line, as a cell names it: ``Cell In[5], line 8, in train:
     loss.backward()`` (a file: its path, relative to the working directory if inside);
     "" for None."""
     if frame is None:

@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .wire import Ending, Outcome, Teardown, first_line
+from .outcome import Ending, Outcome, Teardown
+from .wire import first_line
 
 # the endings a restart may cure: the rank's own code did not cause them (the docstring)
 RETRIED = frozenset({Ending.KILLED, Ending.EXITED, Ending.NEVER_JOINED,

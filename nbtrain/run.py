@@ -15,6 +15,7 @@ from typing import Any
 
 from .cells import busy_while_blocking
 from .errors import RunStoppedError, RunTimeoutError, WorkerError, cell_names, places_of, where_text
+from .outcome import Outcome, Teardown
 from .output import CellOutput
 from .questions import answer_waiting
 from .restarts import Attempt, Restarts, history_text
@@ -22,7 +23,7 @@ from .telemetry.events import Checkpoint, Event, Lifecycle, Output, Restart
 from .telemetry.history import History
 from .telemetry.sinks import Sink, SinkDispatcher
 from .telemetry.summary import Summary, summarize
-from .wire import Outcome, Teardown, decode_result, first_line, label
+from .wire import decode_result, first_line, label
 
 # How runs are shown: a UI registers itself here, so Run depends on no UI.
 #   "attach": (run, dashboard) -> a live view (a sink with .start()) or None

@@ -14,7 +14,7 @@ import pytest
 import torch
 from kernel import Kernel
 
-from nbtrain.launch import culprit, devices, guards
+from nbtrain.launch import culprit, devices, guards, launchers
 
 pytestmark = pytest.mark.kernel
 
@@ -85,11 +85,11 @@ def test_the_fork_guard_names_the_touch_in_its_warning_and_refusal(gpu_machine, 
     monkeypatch.setattr(culprit, "_through_torch", touch)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.warns(RuntimeWarning) as caught:
-        assert guards.choose_start_method("auto") == "forkserver"
+        assert launchers.choose_start_method("auto") == "forkserver"
     assert "torch has initialised CUDA in this kernel (a GPU was first used at Cell In[7], " \
            "line 2: `model.cuda()`)" in str(caught[0].message)
     with pytest.raises(RuntimeError, match=r"at Cell In\[7\], line 2"):
-        guards.choose_start_method("fork")
+        launchers.choose_start_method("fork")
 
 
 def test_the_forked_canary_names_the_query_it_inherited(gpu_machine, monkeypatch):

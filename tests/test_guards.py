@@ -12,19 +12,19 @@ import pytest
 import torch
 from conftest import descendants
 
-from nbtrain.launch import culprit, devices, guards
+from nbtrain.launch import culprit, devices, guards, launchers
 from nbtrain.launch.devices import parse_devices
 
 
 def test_cpu_kernel_forks():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert guards.choose_start_method("auto") == "fork"
-    assert guards.choose_start_method("fork") == "fork"
-    assert guards.choose_start_method("spawn") == "spawn"
-    assert guards.choose_start_method("forkserver") == "forkserver"
+        assert launchers.choose_start_method("auto") == "fork"
+    assert launchers.choose_start_method("fork") == "fork"
+    assert launchers.choose_start_method("spawn") == "spawn"
+    assert launchers.choose_start_method("forkserver") == "forkserver"
     with pytest.raises(ValueError, match="start_method='forkserve'"):
-        guards.choose_start_method("forkserve")
+        launchers.choose_start_method("forkserve")
 
 
 @pytest.fixture
@@ -37,12 +37,12 @@ def cuda_initialised(monkeypatch):
 def test_auto_falls_back_to_the_fork_server_with_a_reason(cuda_initialised):
     with pytest.warns(RuntimeWarning, match="from a fork server instead of forking the kernel, "
                                             "because the CUDA"):
-        assert guards.choose_start_method("auto") == "forkserver"
+        assert launchers.choose_start_method("auto") == "forkserver"
 
 
 def test_forced_fork_refuses_with_the_remedy(cuda_initialised):
     with pytest.raises(RuntimeError, match="Restart the kernel .* start_method='forkserver'"):
-        guards.choose_start_method("fork")
+        launchers.choose_start_method("fork")
 
 
 # What torch does on `torch.cuda.is_available()`: it registers an at-fork handler that
@@ -71,16 +71,16 @@ def test_counting_gpus_keeps_fork(gpu_machine):
     assert plan.accelerator == "cuda" and plan.world_size == 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert guards.choose_start_method("auto") == "fork"
+        assert launchers.choose_start_method("auto") == "fork"
 
 
 def test_a_poisoned_child_means_spawn_with_the_true_reason(gpu_machine):
     _poisoned["parent"] = True  # what torch.cuda.is_available() would have done
     assert not _poisoned["child"]  # the parent itself is not marked: only its children
     with pytest.warns(RuntimeWarning, match=r"fork server .* because CUDA was queried"):
-        assert guards.choose_start_method("auto") == "forkserver"
+        assert launchers.choose_start_method("auto") == "forkserver"
     with pytest.raises(RuntimeError, match="CUDA was queried"):
-        guards.choose_start_method("fork")
+        launchers.choose_start_method("fork")
 
 
 def test_ranks_on_the_cpu_fork_whatever_the_kernel_did_with_cuda(gpu_machine):
@@ -88,10 +88,10 @@ def test_ranks_on_the_cpu_fork_whatever_the_kernel_did_with_cuda(gpu_machine):
     _poisoned["parent"] = True
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert guards.choose_start_method("auto", "cpu") == "fork"
-        assert guards.choose_start_method("fork", "cpu") == "fork"
+        assert launchers.choose_start_method("auto", "cpu") == "fork"
+        assert launchers.choose_start_method("fork", "cpu") == "fork"
     with pytest.warns(RuntimeWarning, match="CUDA was queried"):
-        assert guards.choose_start_method("auto", "cuda") == "forkserver"
+        assert launchers.choose_start_method("auto", "cuda") == "forkserver"
 
 
 def test_a_cuda_torch_without_a_driver_counts_no_gpu_without_asking_torch(monkeypatch):
@@ -136,10 +136,10 @@ def test_a_start_method_asked_for_by_name_forks_no_canary(gpu_machine, monkeypat
         raise AssertionError("forked a canary for a start method that does not fork")
 
     monkeypatch.setattr(guards, "fork_unsafe_reason", canary)
-    assert guards.choose_start_method("spawn") == "spawn"
-    assert guards.choose_start_method("forkserver", "cuda") == "forkserver"
+    assert launchers.choose_start_method("spawn") == "spawn"
+    assert launchers.choose_start_method("forkserver", "cuda") == "forkserver"
     with pytest.raises(AssertionError, match="forked a canary"):
-        guards.choose_start_method("auto")
+        launchers.choose_start_method("auto")
 
 
 def test_the_driver_check_is_real_on_this_machine():
@@ -202,13 +202,13 @@ def test_cpu_ranks_fork_unless_a_forked_child_cannot_run_backward(gpu_machine, m
     _poisoned["parent"] = True
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert guards.choose_start_method("auto", "cpu") == "fork"
+        assert launchers.choose_start_method("auto", "cpu") == "fork"
     assert asked == []  # no driver, no GPU threads, no canary
     monkeypatch.setattr(culprit, "DRIVER_STATE", lambda: True)
     with pytest.warns(RuntimeWarning, match="cannot run backward"):
-        assert guards.choose_start_method("auto", "cpu") == "forkserver"
+        assert launchers.choose_start_method("auto", "cpu") == "forkserver"
     _poisoned["parent"] = False
-    assert guards.choose_start_method("auto", "cpu") == "fork"
+    assert launchers.choose_start_method("auto", "cpu") == "fork"
 
 
 def test_the_real_backward_probe_runs_a_backward_in_a_fresh_process():

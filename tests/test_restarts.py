@@ -246,13 +246,14 @@ def test_the_collective_timeout_leaves_the_restarts_their_time():
 
 
 def test_the_restart_rule_reads_how_a_rank_failed_not_its_names():
-    """Each way a rank ends is typed where the kernel saw it (``wire.Ending``); the rule
+    """Each way a rank ends is typed where the kernel saw it (``outcome.Ending``); the rule
     reads that, never an exception's type name or a message."""
     from types import SimpleNamespace
 
     from nbtrain.launch.failures import Failure, exit_failure, reported_failure
+    from nbtrain.outcome import Ending, Teardown
     from nbtrain.restarts import retry_cause
-    from nbtrain.wire import Ending, RankFailure, Teardown
+    from nbtrain.wire import RankFailure
 
     def reported(kind, message, interrupted=False):
         return reported_failure(1, RankFailure(1, kind, "builtins", message, "", ""),

@@ -14,19 +14,12 @@ from ..strategies import Strategy
 from ..telemetry.channel import TelemetryServer
 from ..telemetry.settings import Telemetry
 from ..telemetry.sinks import Sink
-from . import calls, start
+from . import calls, launchers, start
 from .devices import parse_devices, threads_per_worker
-from .fork import ForkLauncher
-from .forkserver import ForkServerLauncher
-from .guards import choose_start_method
 from .launcher import Launcher
-from .spawn import SpawnLauncher
 from .supervisor import Supervisor
 
 __all__ = ["launch"]
-
-LAUNCHERS: dict[str, type[Launcher]] = {"fork": ForkLauncher, "forkserver": ForkServerLauncher,
-                                        "spawn": SpawnLauncher}
 
 
 def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = "auto",
@@ -122,7 +115,7 @@ def _start_method(requested: str, strategy: Strategy, accelerator: str) -> str:
         raise ValueError(f"strategy {strategy.name!r} means start_method={preferred!r}, but "
                          f"start_method={requested!r} was given. Use strategy='ddp' to choose "
                          "the start method freely.")
-    return choose_start_method(preferred or requested, accelerator)
+    return launchers.choose_start_method(preferred or requested, accelerator)
 
 
 class OneShot:
@@ -136,7 +129,7 @@ class OneShot:
 
     def __init__(self, method: str):
         self.started_by = method
-        self.launcher: Launcher = LAUNCHERS[method]()
+        self.launcher: Launcher = launchers.make(method)
         self.payload: Any = None
 
     def prepare(self, request: start.Request, plan) -> start.Request:

@@ -1,4 +1,5 @@
-"""Checks that run before anything starts, and the choice of start method.
+"""Checks that run before anything starts: is forking the kernel safe for the ranks?
+(``launchers.choose_start_method`` acts on the answer.)
 
 A forked child of a process whose CUDA is initialised cannot use CUDA: it dies with
 "Cannot re-initialize CUDA in forked subprocess" (torch) or gets errors from the driver.
@@ -35,15 +36,10 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 
 from . import culprit
-from .devices import cuda_device_count
-
-StartMethod = Literal["fork", "forkserver", "spawn"]
-START_METHODS = ("auto", "fork", "forkserver", "spawn")
 
 
 def torch_cuda_initialized() -> str | None:
@@ -191,37 +187,6 @@ def importing_main_in_spawned_worker() -> bool:
         if module is not None and getattr(module.current_process(), "_inheriting", False):
             return True
     return False
-
-
-def choose_start_method(requested: str, accelerator: str | None = None) -> StartMethod:
-    """``"auto"``: fork when safe for ranks on ``accelerator`` (None: CUDA where this
-    kernel sees GPUs), else the fork server (``forkserver.py``) with a one-line warning
-    saying why."""
-    if requested not in START_METHODS:
-        raise ValueError(f"start_method={requested!r} is not one of {START_METHODS}.")
-    if importing_main_in_spawned_worker():
-        raise RuntimeError(
-            "nbtrain: a spawned worker imports the script that started it, and the script "
-            "launches workers at import. Put the launch under `if __name__ == \"__main__\":` "
-            "in the script (a notebook cell is never imported again).")
-    if requested in ("spawn", "forkserver"):
-        return requested  # asked for: no canary (on a GPU it costs milliseconds still)
-    if accelerator is None:
-        accelerator = "cuda" if cuda_device_count() else "cpu"
-    reason = fork_unsafe_reason(accelerator)
-    if requested == "fork":
-        if reason:
-            raise RuntimeError(
-                f"start_method='fork' is unsafe here: {reason}. Forked workers would fail with "
-                "'Cannot re-initialize CUDA in forked subprocess'. Restart the kernel and launch "
-                "before touching CUDA, or pass start_method='forkserver' (safe, and warm after "
-                "its first launch).")
-        return "fork"
-    if reason:
-        warnings.warn(f"nbtrain: starting workers from a fork server instead of forking the "
-                      f"kernel, because {reason}.", RuntimeWarning, stacklevel=3)
-        return "forkserver"
-    return "fork"
 
 
 # Once a forked child has hung in OpenMP, every later fork of this process would too.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from ..errors import cell_names
-from ..wire import Ending
+from ..outcome import Ending
 from .failures import Failure
 from .stacks import Dump
 

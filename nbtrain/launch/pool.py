@@ -45,7 +45,8 @@ from ..wire import (
     decode_value,
     encode_command,
 )
-from . import calls, start
+from . import calls, launchers, start
+from .devices import parse_devices, threads_per_worker
 from .launcher import WorkerHandle
 from .pool_channel import PoolChannel
 from .pool_launch import PoolLaunch
@@ -90,14 +91,11 @@ class RankPool:
 
     def __init__(self, devices: int | str | list[int] = "auto", accelerator: str = "auto",
                  start_method: str = "auto", timeout: float | None = None):
-        from .devices import parse_devices
-        from .guards import choose_start_method
-
         start.refuse_in_a_rank("RankPool()")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
         self.plan = parse_devices(devices, accelerator)
-        self.start_method = choose_start_method(start_method, self.plan.accelerator)
+        self.start_method = launchers.choose_start_method(start_method, self.plan.accelerator)
         self.workers = PoolWorkers(self.plan, self.start_method, float(timeout or 600.0))
         self.channel = PoolChannel(self.workers)
         self._cells = 0
@@ -273,10 +271,7 @@ class PoolWorkers:
     def start(self, channel: PoolChannel) -> None:
         """Start the workers and follow them (``channel``) until each has joined the process
         group and said READY; on any failure nothing is left running."""
-        from . import LAUNCHERS
-        from .devices import threads_per_worker
-
-        launcher = LAUNCHERS[self.start_method]()
+        launcher = launchers.make(self.start_method)
         launcher.warm()
         handles: list[WorkerHandle] = []
         op = None

@@ -14,9 +14,10 @@ from typing import Any
 
 from ..cells import busy_while_blocking
 from ..errors import RunTimeoutError, places_of, where_text
+from ..outcome import Teardown
 from ..output import CellOutput
 from ..questions import answer_waiting
-from ..wire import Command, DropGroup, Regroup, Teardown, encode_command
+from ..wire import Command, DropGroup, Regroup, encode_command
 from .launcher import interrupts_deferred
 from .links import links
 from .pool_op import INTERRUPT_GRACE_S, STUCK_S, PoolOp, cell_error

@@ -18,7 +18,7 @@ import re
 import sysconfig
 from dataclasses import dataclass, field
 
-from ..wire import Frame
+from ..outcome import Frame
 
 FATAL = "Fatal Python error:"  # the first line of a dump written as the rank dies
 # Every other line such a dump has (Python 3.10-3.13): what does not match ends it.

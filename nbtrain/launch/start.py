@@ -32,11 +32,11 @@ from typing import Any, Protocol
 
 from .. import seeding, strategies
 from ..cells import current_kernel
+from ..outcome import Outcome
 from ..run import DASHBOARDS, Run
 from ..spec import WORKER_ENV, WorkerSpec
 from ..strategies import Strategy
 from ..telemetry.settings import Telemetry
-from ..wire import Outcome
 from . import calls
 from .launcher import Launcher, WorkerHandle, interrupts_deferred
 from .watch import kill_group

@@ -11,7 +11,8 @@ import signal
 import threading
 import time
 
-from ..wire import Activity, Teardown
+from ..outcome import Teardown
+from ..wire import Activity
 from .failures import Failure, exit_failure
 from .launcher import WorkerHandle
 from .watch import RankState, Watch
@@ -24,7 +25,7 @@ STACKS_S = 0.5  # at most this long for the ranks still running to write their s
 
 class Follower:
     """A thread that follows a ``Watch`` until its ranks are done: what ``Run`` reads as
-    the outcome (``wire.Outcome``). Its kinds say, in ``follow()``, when ranks end."""
+    the outcome (``outcome.Outcome``). Its kinds say, in ``follow()``, when ranks end."""
 
     thread_name = "nbtrain-follower"
     owns_ranks = True  # ends, reaps and closes the ranks when done

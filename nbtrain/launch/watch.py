@@ -16,6 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..outcome import Ending, Frame
 from ..questions import Question, post, question_in
 from ..wire import (
     ACTIVITY,
@@ -24,8 +25,6 @@ from ..wire import (
     JOINED,
     STORE,
     Activity,
-    Ending,
-    Frame,
     decode_activity,
     decode_failure,
 )

@@ -30,10 +30,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..cells import cell_parent
+from ..outcome import Ending, Teardown
 from ..run import Run
 from ..telemetry.channel import TelemetryServer, format_address
 from ..telemetry.events import Event, Lifecycle
-from ..wire import Ending, Teardown
 
 __all__ = ["Watch", "listen"]
 

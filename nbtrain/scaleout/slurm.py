@@ -32,10 +32,11 @@ from typing import Any
 
 from ..launch import start
 from ..launch.spawn import serialize
+from ..outcome import Reported, Teardown
 from ..plan import DevicePlan
 from ..run import Run
 from ..telemetry.settings import Telemetry
-from ..wire import Reported, Teardown, encode_result
+from ..wire import encode_result
 from .listen import Job, RemoteFailure, Watch
 from .torchrun import ATTACH_ENV, RUN_ID_ENV
 

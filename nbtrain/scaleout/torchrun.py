@@ -30,6 +30,7 @@ from typing import Any
 from ..errors import WorkerError
 from ..launch.devices import resolve_accelerator
 from ..launch.start import Request, register_in_process
+from ..outcome import Reported
 from ..plan import DevicePlan
 from ..rank.worker import execute
 from ..run import Run
@@ -37,7 +38,7 @@ from ..spec import WORKER_ENV, WorkerSpec
 from ..telemetry.channel import parse_address
 from ..telemetry.client import TelemetryClient
 from ..telemetry.events import Event, decode, encode
-from ..wire import FAILURE, Reported, decode_failure, label
+from ..wire import FAILURE, decode_failure, label
 from . import clusters
 
 ATTACH_ENV = "NBTRAIN_ATTACH"

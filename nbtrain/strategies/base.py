@@ -60,8 +60,9 @@ class Strategy:
     name: str = ""
     # "bf16" or "fp16": compute in half precision, keep fp32 master weights.
     mixed_precision: Precision = None
-    # Preferred start method of an alias ("ddp_notebook" -> fork); None: no preference.
-    start_method: Literal["fork", "forkserver", "spawn"] | None = None
+    # Preferred start method of an alias ("ddp_notebook" -> fork), a name registered in
+    # launch/launchers.py (checked at launch); None: no preference.
+    start_method: str | None = None
     # Module classes whose forward is recomputed in backward instead of keeping its
     # activations (torch's non-reentrant checkpoint wrapper), e.g. (Block,); "auto" (or
     # True): the model's own blocks (strategies.blocks).
