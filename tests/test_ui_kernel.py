@@ -16,7 +16,14 @@ COMM_BUDGET_PER_S = 30  # the dashboard's own budget; the server drops above ~10
 
 
 def messages(kernel, code: str, timeout: float = 180) -> tuple[list[dict], float]:
-    """Every iopub message of one cell, and the seconds it ran."""
+    """Every iopub message of one cell, and the seconds it ran. What an earlier cell's
+    background work published since is read first: iopub's subscriber holds at most 1000
+    messages and drops what arrives beyond them, this cell's too."""
+    while True:
+        try:
+            kernel.kc.get_iopub_msg(timeout=0.2)
+        except Empty:
+            break
     msg_id = kernel.submit(code)
     out, start = [], time.monotonic()
     deadline = start + timeout
@@ -141,6 +148,12 @@ def test_failure_shows_in_the_view_then_raises(setup, kernel_clean):
 
 def test_a_run_shown_on_its_own_displays_its_summary(setup):
     msgs, _ = messages(setup, "run")
+    if "execute_input" not in [m["msg_type"] for m in msgs]:
+        # Twice in this project's CI (a kaggle and a colab leg, ipykernel 6.17) iopub
+        # delivered this cell's busy and idle and nothing between, not even execute_input,
+        # which the kernel sends before it runs any code: messages lost on the way, not a
+        # display nbtrain skipped. Once more, then the same assertions.
+        msgs, _ = messages(setup, "run")
     shown = [m["content"]["data"] for m in msgs if m["msg_type"] == "display_data"]
     assert any(PLOTLY_MIME in d for d in shown), (_errors(msgs), [list(d) for d in shown],
                                                    [m["msg_type"] for m in msgs])
