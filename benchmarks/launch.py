@@ -117,7 +117,7 @@ def measure(fail):
 CUDA_TOUCHED = {
     "cuda": "torch.zeros(1, device='cuda')\n",
     "cpu": """
-from nbtrain.launch import guards
+from nbtrain.launch.starting import guards
 guards.FORK_CHECKS.append(lambda: "CUDA was initialised in this kernel (simulated)")
 """,
 }

@@ -82,7 +82,8 @@ def probe(owner, attr, before=None, after=None, once=True):
     setattr(owner, attr, wrapped)
 
 import nbtrain
-from nbtrain.launch import start, devices
+from nbtrain.launch import start
+from nbtrain.launch.starting import devices
 from nbtrain.rank import worker
 from nbtrain import run as run_module
 from nbtrain.telemetry import channel

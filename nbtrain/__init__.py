@@ -10,8 +10,9 @@ from . import checkpoint, strategies
 from .bandwidth import bandwidth
 from .context import Context
 from .errors import RunStoppedError, RunTimeoutError, WorkerError, remember_cell_names
-from .launch import culprit, launch, warm
-from .launch.pool import RankPool
+from .launch.starting import culprit, warm
+from .launch import launch
+from .launch.pool.ranks import RankPool
 from .run import Run, last_run
 from .scaleout import torchrun as _torchrun  # noqa: F401  (launch() under torchrun)
 from .scaleout.listen import listen

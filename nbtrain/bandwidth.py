@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .launch import launch
-from .launch.devices import parse_devices
+from .launch.starting.devices import parse_devices
 from .units import format_bytes
 
 DEFAULT_SIZES = tuple(4 ** k * 1024 for k in range(0, 9))  # 1 KB .. 64 MB

@@ -1,5 +1,5 @@
 """A forked rank's displays as they cross to the kernel: one record a line on the rank's
-stdout, between its own lines (``rank/displays.py`` writes them, ``launch/pipes.py``
+stdout, between its own lines (``rank/displays.py`` writes them, ``launch/following/pipes.py``
 takes them out, ``output.CellOutput`` publishes them in the cell). Like ``wire.py``, it
 imports nothing of nbtrain."""
 

@@ -25,7 +25,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from .cells import RANKS_CELL
 from .cells import current as current_cell
 from .errors import WorkerError, cell_names
-from .launch.pool import active_pool
+from .launch.pool.ranks import active_pool
 
 USAGE = "usage: %%ranks [RANKS] [--timeout SECONDS]   (RANKS: all, 0, or 0,1,...)"
 

@@ -1,7 +1,7 @@
 """How a run ended, as ``Run`` reads it once the ranks are done, whoever ran them: the
 local ``Supervisor``, a pool operation, torchrun's ranks or a watched job (``Outcome``).
 Why the ranks were ended (``Teardown``) and how a rank failed (``Ending``) are typed,
-set where the kernel saw them (``launch/failures.py``, ``late.py``, ``watch.py``,
+set where the kernel saw them (``launch/following/failures.py``, ``late.py``, ``watch.py``,
 ``supervisor.py``), and read by ``Run`` and the restart rule (``restarts.py``) without
 matching names or messages.
 """

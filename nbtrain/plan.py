@@ -1,5 +1,5 @@
 """The devices a run uses: ``DevicePlan``, one value the kernel, the strategies, the
-scale-out backends and the UI all read (``launch/devices.py`` makes it from
+scale-out backends and the UI all read (``launch/starting/devices.py`` makes it from
 ``accelerator=`` and ``devices=``)."""
 
 from __future__ import annotations

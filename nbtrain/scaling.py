@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .launch import launch
-from .launch.devices import parse_devices, threads_as_one_of
+from .launch.starting.devices import parse_devices, threads_as_one_of
 from .run import Run
 
 

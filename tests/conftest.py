@@ -10,7 +10,7 @@ import psutil
 import pytest
 from kernel import Kernel
 
-from nbtrain.launch.devices import cuda_device_count
+from nbtrain.launch.starting.devices import cuda_device_count
 
 # The fast lane (`python -m pytest -q -m "not slow" tests`, a few minutes) leaves these
 # out: real kernels and browsers, the benchmarks' smoke runs, the model zoo, DeepSpeed,

@@ -1,4 +1,4 @@
-"""Naming what touched CUDA (launch/culprit.py), on the CPU with fakes: a fake torch entry
+"""Naming what touched CUDA (launch/starting/culprit.py), on the CPU with fakes: a fake torch entry
 point watched as torch's are, a fake driver state flipped by a cell, and torch's own C++
 path to ``torch.cuda._lazy_init`` (a CPU build raises in it, after the watcher saw it)."""
 
@@ -14,13 +14,13 @@ import pytest
 import torch
 from kernel import Kernel
 
-from nbtrain.launch import culprit, devices, guards, launchers
+from nbtrain.launch.starting import culprit, devices, guards, launchers
 
 pytestmark = pytest.mark.kernel
 
 WATCH_A_FAKE = """
 import sys, types
-from nbtrain.launch import culprit
+from nbtrain.launch.starting import culprit
 fake = types.SimpleNamespace(_lazy_init=lambda: "inited")
 culprit.watch(fake, "_lazy_init", "a GPU was first used")
 """
@@ -52,7 +52,7 @@ def test_a_torch_touch_names_the_cell_and_line_and_the_library_between(tmp_path)
 def test_a_cell_that_initialises_the_driver_behind_torch_is_named():
     kernel = Kernel(startup="import nbtrain")
     try:
-        assert kernel.run("import sys, types\nfrom nbtrain.launch import culprit\n"
+        assert kernel.run("import sys, types\nfrom nbtrain.launch.starting import culprit\n"
                           "state = [False]\nculprit.DRIVER_STATE = lambda: state[0]\n"
                           "culprit.watch_cells()").error is None
         assert kernel.run("import colorsys").error is None  # nothing happens to the driver
@@ -123,7 +123,7 @@ A_CUDA_BUILD = """
 import os, torch
 torch.backends.cuda.is_built = lambda: True   # as a CUDA build of torch says
 import nbtrain
-from nbtrain.launch import culprit
+from nbtrain.launch.starting import culprit
 print("nvml:", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"))
 print("capturing:", torch.cuda.is_current_stream_capturing())
 # torch's C++ calls torch.cuda._lazy_init; a CPU build raises there, after the watcher

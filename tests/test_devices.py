@@ -2,8 +2,8 @@ import os
 
 import pytest
 
-from nbtrain.launch import devices
-from nbtrain.launch.devices import parse_devices, threads_per_worker
+from nbtrain.launch.starting import devices
+from nbtrain.launch.starting.devices import parse_devices, threads_per_worker
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ CELL = """
 import os, signal, time, warnings
 import torch, torch.distributed as dist
 import nbtrain
-from nbtrain.launch import forkserver, guards
+from nbtrain.launch.starting import forkserver, guards
 
 guards.FORK_CHECKS.append(lambda: "CUDA was initialised in this kernel (simulated)")
 

@@ -25,7 +25,7 @@ from workloads import cpu_and_gpu_collectives, every_train, param_count, single_
 
 import nbtrain
 from nbtrain.checkpoint import exists
-from nbtrain.launch.devices import cuda_device_count
+from nbtrain.launch.starting.devices import cuda_device_count
 from nbtrain.plan import DevicePlan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_leftovers")]
@@ -240,7 +240,7 @@ def test_driver_initialised_behind_torch_is_seen():
         ctx = ctypes.c_void_p()
         assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
         import torch
-        from nbtrain.launch import guards
+        from nbtrain.launch.starting import guards
         print("torch knows:", torch.cuda.is_initialized())
         print("reason:", guards.fork_unsafe_reason())
     """)
@@ -262,7 +262,7 @@ def test_is_available_keeps_fork_after_importing_nbtrain_and_names_itself_if_not
             if {nvml!r}:
                 os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = {nvml!r}
             import torch, nbtrain
-            from nbtrain.launch import guards
+            from nbtrain.launch.starting import guards
             print("available:", torch.cuda.is_available(), torch.cuda.is_initialized())
             print("reason:", guards.fork_unsafe_reason())
         """)
@@ -279,8 +279,8 @@ def test_is_available_keeps_fork_after_importing_nbtrain_and_names_itself_if_not
 def test_counting_gpus_keeps_fork_safe():
     done = _python("""
         import torch, nbtrain
-        from nbtrain.launch import guards
-        from nbtrain.launch.devices import parse_devices
+        from nbtrain.launch.starting import guards
+        from nbtrain.launch.starting.devices import parse_devices
         plan = parse_devices("auto")
         print("plan:", plan.accelerator, len(plan.indices))
         print("safe:", guards.fork_unsafe_reason())

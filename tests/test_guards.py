@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import descendants
 
-from nbtrain.launch import culprit, devices, guards, launchers
-from nbtrain.launch.devices import parse_devices
+from nbtrain.launch.starting import culprit, devices, guards, launchers
+from nbtrain.launch.starting.devices import parse_devices
 
 
 def test_cpu_kernel_forks():
@@ -167,7 +167,7 @@ def test_a_failing_probe_is_a_reason_not_a_crash(no_leftovers):
 def test_the_real_probe_is_clean_in_a_fresh_process():
     # a process of its own: in this one another test may have asked CUDA (with a CUDA
     # build of torch, as on the hosted-stack legs, that marks forks bad)
-    code = ("from nbtrain.launch import guards\n"
+    code = ("from nbtrain.launch.starting import guards\n"
             "print(guards.torch_cuda_initialized(), guards.forked_child_reason("
             "guards.cuda_probe), guards.fork_unsafe_reason('cuda'), "
             "guards.fork_unsafe_reason('cpu'))")
@@ -212,7 +212,7 @@ def test_cpu_ranks_fork_unless_a_forked_child_cannot_run_backward(gpu_machine, m
 
 
 def test_the_real_backward_probe_runs_a_backward_in_a_fresh_process():
-    code = ("from nbtrain.launch import guards\n"
+    code = ("from nbtrain.launch.starting import guards\n"
             "print(guards.autograd_probe(), guards.forked_child_reason(guards.autograd_probe))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)

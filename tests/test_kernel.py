@@ -155,7 +155,7 @@ def test_a_hang_and_a_native_crash_name_the_cells_lines(k, kernel_clean):
 def test_a_rank_still_running_after_the_others_is_named_at_its_line(k, kernel_clean):
     """A rank still running after the others returned (an NCCL hang looks like this):
     its cell, line and source in the run's output, not faulthandler's whole dump."""
-    k.run("from nbtrain.launch import late\nlate.STRAGGLER_S = 0.5")
+    k.run("from nbtrain.launch.following import late\nlate.STRAGGLER_S = 0.5")
     defined = k.run("""
         def uneven(ctx):
             if ctx.rank == 1:

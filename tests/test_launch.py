@@ -436,7 +436,7 @@ def test_the_running_cell_is_the_one_its_result_names(monkeypatch, during, after
 
 # -- starting and ending workers when interrupted ---------------------------------------
 def test_an_interrupt_while_a_worker_starts_arrives_after_its_handle_is_kept():
-    from nbtrain.launch.launcher import interrupts_deferred
+    from nbtrain.launch.starting.launcher import interrupts_deferred
 
     # Python's own handler, as in a kernel: a process started in the background by a
     # non-interactive shell (`cmd &`) inherits SIGINT ignored, and then nothing is raised
@@ -480,7 +480,7 @@ def test_an_interrupt_as_the_ranks_start_stops_the_run(monkeypatch):
 def test_kill_group_ends_a_worker_that_is_not_yet_its_own_group():
     """A spawned worker joins its own process group only once nbtrain's code runs in it;
     before that (importing torch) killpg finds no group, and the worker must still end."""
-    from nbtrain.launch.watch import kill_group
+    from nbtrain.launch.following.watch import kill_group
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -499,7 +499,7 @@ def test_stopping_the_resource_tracker_never_hangs_on_a_leftover_holder():
     holding one made ``_stop()`` wait forever in the kernel."""
     from multiprocess import resource_tracker
 
-    from nbtrain.launch.spawn import _stop_tracker
+    from nbtrain.launch.starting.spawn import _stop_tracker
 
     tracker = resource_tracker.ResourceTracker()
     tracker.ensure_running()

@@ -17,8 +17,8 @@ import torch
 from workloads import fail_on, sleeper, train
 
 import nbtrain
-from nbtrain.launch.pool import RankCellError
-from nbtrain.launch.pool_op import Quiet
+from nbtrain.launch.pool.ranks import RankCellError
+from nbtrain.launch.pool.op import Quiet
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -70,7 +70,7 @@ def test_status_shows_each_rank_and_close_ends_everything(pool):
     assert repr(pool).endswith("closed>")
     with pytest.raises(RuntimeError, match="closed"):
         pool.run("1")
-    from nbtrain.launch.pool import active_pool
+    from nbtrain.launch.pool.ranks import active_pool
 
     with pytest.raises(RuntimeError, match=r"no RankPool is open: start one first"):
         active_pool()  # what %%ranks uses
@@ -516,7 +516,7 @@ def test_links_are_the_tcp_connections_between_the_ranks_only():
     import subprocess
     import sys
 
-    from nbtrain.launch.links import links
+    from nbtrain.launch.following.links import links
 
     if not os.path.exists(f"/proc/{os.getpid()}/net/tcp"):
         pytest.skip("no /proc here: a stuck rank's peers only destroy their group")
@@ -568,7 +568,7 @@ def test_a_stuck_cpu_rank_is_freed_by_an_idle_peer_and_a_gpu_rank_is_not(monkeyp
     import subprocess
     import sys
 
-    from nbtrain.launch import pool_op
+    from nbtrain.launch.pool import op as pool_op
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -619,7 +619,7 @@ def test_what_ranks_write_as_their_group_starts_again_is_not_the_cells_output():
     goes to stderr; a display or a bar goes where it goes. (gloo's "[Gloo] Rank N is
     connected to ..." line, which the Kaggle leg found in notebook 03's checked output,
     the watch drops for every run: test_stacks.)"""
-    from nbtrain.launch.pool_channel import _quieter
+    from nbtrain.launch.pool.channel import _quieter
 
     seen = []
     emit = _quieter(lambda *line: seen.append(line))

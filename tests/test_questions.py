@@ -18,7 +18,7 @@ import pytest
 import nbtrain
 from nbtrain import questions
 from nbtrain.display_record import DISPLAY_MARK, Display, encode_display
-from nbtrain.launch.pipes import PipeText
+from nbtrain.launch.following.pipes import PipeText
 from nbtrain.wire import Exit, encode_command
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")

@@ -15,7 +15,7 @@ import pytest
 
 import nbtrain
 from nbtrain.display_record import DISPLAY_MARK, Display, decode_display, encode_display
-from nbtrain.launch.pipes import PipeText, redrawn
+from nbtrain.launch.following.pipes import PipeText, redrawn
 from nbtrain.output import CellOutput
 
 

@@ -250,7 +250,7 @@ def test_the_restart_rule_reads_how_a_rank_failed_not_its_names():
     reads that, never an exception's type name or a message."""
     from types import SimpleNamespace
 
-    from nbtrain.launch.failures import Failure, exit_failure, reported_failure
+    from nbtrain.launch.following.failures import Failure, exit_failure, reported_failure
     from nbtrain.outcome import Ending, Teardown
     from nbtrain.restarts import retry_cause
     from nbtrain.wire import RankFailure
@@ -391,7 +391,7 @@ def test_in_a_kernel_from_the_fork_server_exits_restart_and_exceptions_do_not(ke
     survives both and serves the next launch (kernel_clean: nothing else is left)."""
     reply = kernel_clean.run(f"""
         import nbtrain
-        from nbtrain.launch import forkserver
+        from nbtrain.launch.starting import forkserver
         from workloads import ckpt_train
         kw = dict(steps=12, save_every=4, devices=2, dashboard=False,
                   start_method="forkserver")

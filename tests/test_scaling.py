@@ -98,7 +98,7 @@ def test_the_speedup_reads_steady_steps_so_a_stall_does_not_move_it():
 
 
 def test_the_one_rank_run_gets_the_threads_one_of_n_ranks_gets():
-    from nbtrain.launch.devices import threads_as_one_of, threads_per_worker
+    from nbtrain.launch.starting.devices import threads_as_one_of, threads_per_worker
 
     with threads_as_one_of(4):
         assert threads_per_worker(1) == threads_per_worker(4)

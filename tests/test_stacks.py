@@ -1,4 +1,4 @@
-"""Reading the stacks ranks write with faulthandler (``launch/stacks.py``): as they die in
+"""Reading the stacks ranks write with faulthandler (``launch/following/stacks.py``): as they die in
 native code, and when asked where they are (the real runs are in test_launch.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sysconfig
 
 import nbtrain
 from nbtrain.errors import where_text
-from nbtrain.launch.stacks import Dump, native_message
+from nbtrain.launch.following.stacks import Dump, native_message
 
 RANK = os.path.join(os.path.dirname(nbtrain.__file__), "rank", "worker.py")
 OURS = os.path.join(os.path.dirname(nbtrain.__file__), "telemetry", "timing.py")
@@ -107,7 +107,7 @@ def test_what_a_rank_wrote_beside_its_stack_reaches_the_cell():
     and its stderr flows again."""
     import types
 
-    from nbtrain.launch.watch import Watch
+    from nbtrain.launch.following.watch import Watch
 
     emitted = []
     watch = Watch([types.SimpleNamespace(rank=1)], lambda r, s, line: emitted.append(line),
@@ -136,7 +136,7 @@ def test_a_stack_cut_mid_line_as_the_rank_ended_stays_out_of_the_cell():
     ``File ... in _run_once`` line under a failed launch."""
     import types
 
-    from nbtrain.launch.watch import Watch
+    from nbtrain.launch.following.watch import Watch
 
     emitted = []
     watch = Watch([types.SimpleNamespace(rank=1)], lambda r, s, line: emitted.append(line),
@@ -169,8 +169,8 @@ def test_a_stack_asked_for_while_a_bar_was_drawn_leaves_the_bars_text_alone():
     its first line, is its stack (the thread line showed in the cell after the bar)."""
     import types
 
-    from nbtrain.launch.stacks import dump_within
-    from nbtrain.launch.watch import Watch
+    from nbtrain.launch.following.stacks import dump_within
+    from nbtrain.launch.following.watch import Watch
 
     bar = "epoch 0:  26%|##   | 161/625 "
     assert dump_within(bar + "Thread 0x00007f00 (most recent call first):") == len(bar)
@@ -201,7 +201,7 @@ def test_gloos_line_as_a_group_starts_is_not_the_ranks_output():
     found it in a test's exact stdout). The user's lines around it reach the cell."""
     import types
 
-    from nbtrain.launch.watch import Watch
+    from nbtrain.launch.following.watch import Watch
 
     emitted = []
     watch = Watch([types.SimpleNamespace(rank=0)], lambda r, s, line: emitted.append((s, line)),

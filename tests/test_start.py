@@ -15,7 +15,7 @@ import pytest
 from workloads import fail_on
 
 import nbtrain
-from nbtrain.launch import late
+from nbtrain.launch.following import late
 from nbtrain.rank import worker
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -137,7 +137,7 @@ def test_a_run_option_is_taken_alike_by_launch_and_pool_launch():
     import inspect
 
     from nbtrain.launch import start
-    from nbtrain.launch.pool import RankPool
+    from nbtrain.launch.pool.ranks import RankPool
 
     takers = [inspect.signature(f).parameters for f in (nbtrain.launch, RankPool.launch,
                                                         start.check)]

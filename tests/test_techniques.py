@@ -23,7 +23,7 @@ from workloads import (
 
 import nbtrain
 from nbtrain import strategies
-from nbtrain.launch.devices import cuda_device_count
+from nbtrain.launch.starting.devices import cuda_device_count
 from nbtrain.telemetry.events import Comm, Memory
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")

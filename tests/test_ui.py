@@ -595,7 +595,7 @@ def test_picker_offers_what_runs_on_the_accelerator(monkeypatch):
         nbtrain.StrategyPicker(train, devices=2, accelerator="cpu", display=False,
                                strategies_shown=["fsdp_offload"])
     # on CUDA (the plan as parse_devices gives it on a 2-GPU machine) everything is offered
-    monkeypatch.setattr(sys.modules["nbtrain.launch.devices"], "parse_devices",
+    monkeypatch.setattr(sys.modules["nbtrain.launch.starting.devices"], "parse_devices",
                         lambda devices, accelerator: DevicePlan("cuda", (0, 1)))
     gpu = nbtrain.StrategyPicker(train, devices=2, accelerator="cuda", display=False)
     offered = [n for n in strategies.names(aliases=False)

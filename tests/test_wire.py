@@ -60,7 +60,7 @@ def test_a_rank_that_sends_no_message_of_nbtrains_fails_saying_so():
     failure is that rank's failure, named, and the run ends as for any failure."""
     import types
 
-    from nbtrain.launch.supervisor import Supervisor, WorkerHandle
+    from nbtrain.launch.following.supervisor import Supervisor, WorkerHandle
 
     class Pipe:
         def __init__(self, *messages):

@@ -14,10 +14,11 @@ from ..strategies import Strategy
 from ..telemetry.channel import TelemetryServer
 from ..telemetry.settings import Telemetry
 from ..telemetry.sinks import Sink
-from . import calls, launchers, start
-from .devices import parse_devices, threads_per_worker
-from .launcher import Launcher
-from .supervisor import Supervisor
+from . import calls, start
+from .starting import launchers
+from .starting.devices import parse_devices, threads_per_worker
+from .starting.launcher import Launcher
+from .following.supervisor import Supervisor
 
 __all__ = ["launch"]
 

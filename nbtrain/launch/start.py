@@ -14,7 +14,7 @@ and a ``Backend``, and hand them to ``execute``:
       finish(run, view, request.background)      # the figure, then wait in the cell
 
 The backends: ``launch/__init__.py``'s ``OneShot`` (a launcher starts the ranks, a
-``Supervisor`` follows them), ``launch/pool.py``'s warm ranks (a ``PoolOp``),
+``Supervisor`` follows them), ``launch/pool/ranks.py``'s warm ranks (a ``PoolOp``),
 ``scaleout/torchrun.py``'s rank in this process (registered here: ``in_process``), and
 ``scaleout/slurm.py``'s job. ``rank_specs`` and ``start_ranks`` are what the two local
 backends share.
@@ -38,8 +38,8 @@ from ..spec import WORKER_ENV, WorkerSpec
 from ..strategies import Strategy
 from ..telemetry.settings import Telemetry
 from . import calls
-from .launcher import Launcher, WorkerHandle, interrupts_deferred
-from .watch import kill_group
+from .starting.launcher import Launcher, WorkerHandle, interrupts_deferred
+from .following.watch import kill_group
 
 HOST = "127.0.0.1"  # where the ranks of this machine meet: their store, the listener
 

@@ -169,7 +169,7 @@ def own_shell() -> bool:
 
 
 def _no_widgets(shell) -> None:
-    """tqdm draws its text bar here (it shows live, ``launch/pipes.py``), not a widget:
+    """tqdm draws its text bar here (it shows live, ``launch/following/pipes.py``), not a widget:
     what asks (``tqdm.auto`` on first import, transformers' ``is_in_notebook``: is the
     shell an ``IPKernelApp``'s?) hears no, and the notebook bar the kernel already
     imported (bound in transformers' ``ProgressCallback``, Lightning's bar, a cell's

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..launch import start
-from ..launch.spawn import serialize
+from ..launch.starting.spawn import serialize
 from ..outcome import Reported, Teardown
 from ..plan import DevicePlan
 from ..run import Run

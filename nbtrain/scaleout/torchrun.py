@@ -28,7 +28,7 @@ import uuid
 from typing import Any
 
 from ..errors import WorkerError
-from ..launch.devices import resolve_accelerator
+from ..launch.starting.devices import resolve_accelerator
 from ..launch.start import Request, register_in_process
 from ..outcome import Reported
 from ..plan import DevicePlan

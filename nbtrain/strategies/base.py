@@ -61,7 +61,7 @@ class Strategy:
     # "bf16" or "fp16": compute in half precision, keep fp32 master weights.
     mixed_precision: Precision = None
     # Preferred start method of an alias ("ddp_notebook" -> fork), a name registered in
-    # launch/launchers.py (checked at launch); None: no preference.
+    # launch/starting/launchers.py (checked at launch); None: no preference.
     start_method: str | None = None
     # Module classes whose forward is recomputed in backward instead of keeping its
     # activations (torch's non-reentrant checkpoint wrapper), e.g. (Block,); "auto" (or
@@ -74,7 +74,7 @@ class Strategy:
     description: ClassVar[str] = ""
     accelerators: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     # Modules the strategy imports in every worker; a fork launch imports them once in
-    # the kernel instead (see launch/warm.py).
+    # the kernel instead (see launch/starting/warm.py).
     warm_imports: ClassVar[tuple[str, ...]] = ()
 
     def warm_imports_for(self, accelerator: str) -> tuple[str, ...]:

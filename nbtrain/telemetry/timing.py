@@ -42,7 +42,7 @@ def outside_graphs(hook: Callable) -> Callable:
     read would be the trace's, a CUDA event's ``record`` a graph op that left the event
     unrecorded (a step failed reading it, on an H200), and dynamo warned of each builtin
     it could not trace, in every rank's output. Half a microsecond a call; dynamo is
-    imported by then (building an optimizer imports it: launch/warm.py)."""
+    imported by then (building an optimizer imports it: launch/starting/warm.py)."""
     return torch.compiler.disable(hook)
 
 

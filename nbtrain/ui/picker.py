@@ -64,7 +64,7 @@ class StrategyPicker:
         unknown = [n for n in names if n not in strategies.names()]
         if unknown:
             raise ValueError(f"unknown strategies {unknown}; known: {strategies.names()}.")
-        from ..launch.devices import parse_devices
+        from ..launch.starting.devices import parse_devices
 
         # Offer only what can run here; the rest is listed with the reason.
         self.plan = parse_devices(devices, kwargs.get("accelerator", "auto"))

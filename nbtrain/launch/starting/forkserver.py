@@ -22,7 +22,7 @@ import signal
 import threading
 from typing import Any
 
-from ..spec import WorkerSpec
+from ...spec import WorkerSpec
 from .launcher import WorkerHandle, start_with_context
 from .spawn import SpawnLauncher, with_exit_hint
 from .warm import COMMON

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import time
 
-from ..errors import cell_names
-from ..outcome import Ending
+from ...errors import cell_names
+from ...outcome import Ending
 from .failures import Failure
 from .stacks import Dump
 

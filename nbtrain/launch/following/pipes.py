@@ -10,7 +10,7 @@ import codecs
 import re
 import time
 
-from ..display_record import DISPLAY_MARK
+from ...display_record import DISPLAY_MARK
 
 # what gloo writes as a group starts (torch 2.10 and 2.11 do): not the user's output
 GLOO_START = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from ..spec import WorkerSpec
+from ...spec import WorkerSpec
 from .launcher import WorkerHandle, start_with_context
 
 

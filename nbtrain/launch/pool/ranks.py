@@ -31,10 +31,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..cells import POOL_CODE, busy_while_blocking
-from ..plan import DevicePlan
-from ..units import format_bytes
-from ..wire import (
+from ...cells import POOL_CODE, busy_while_blocking
+from ...plan import DevicePlan
+from ...units import format_bytes
+from ...wire import (
     Exec,
     Exit,
     MemoryQuery,
@@ -45,13 +45,14 @@ from ..wire import (
     decode_value,
     encode_command,
 )
-from . import calls, launchers, start
-from .devices import parse_devices, threads_per_worker
-from .launcher import WorkerHandle
-from .pool_channel import PoolChannel
-from .pool_launch import PoolLaunch
-from .pool_op import RankCellError, cell_error
-from .watch import kill_group
+from .. import calls, start
+from ..starting import launchers
+from ..starting.devices import parse_devices, threads_per_worker
+from ..starting.launcher import WorkerHandle
+from .channel import PoolChannel
+from .launch import PoolLaunch
+from .op import RankCellError, cell_error
+from ..following.watch import kill_group
 
 EXIT_GRACE_S = 2.0  # after "exit", how long before SIGKILL
 _POOLS: set[RankPool] = set()  # open pools (held: their workers live until close())

@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..spec import WorkerSpec
+from ...spec import WorkerSpec
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Launcher(Protocol):
 def start_with_context(mp_context, spec: WorkerSpec, payload: Any) -> WorkerHandle:
     """Start ``worker.main`` (``pool_worker.main`` for a pool's worker) with pipes from
     ``mp_context`` (a fork or a spawn context)."""
-    from ..rank import pool_worker, worker
+    from ...rank import pool_worker, worker
     from .guards import fork_quietly
 
     control_r, control_w = mp_context.Pipe(duplex=False)

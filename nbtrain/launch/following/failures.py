@@ -8,9 +8,9 @@ import re
 import time
 from dataclasses import dataclass
 
-from ..errors import COLLECTIVE_MISMATCH, peers_returned_hint, signal_hint, signal_name
-from ..outcome import Ending
-from ..wire import RankFailure
+from ...errors import COLLECTIVE_MISMATCH, peers_returned_hint, signal_hint, signal_name
+from ...outcome import Ending
+from ...wire import RankFailure
 from .stacks import Dump, native_message
 
 _COMM_ERROR = re.compile(r"gloo|nccl|connection (closed|reset) by peer|broken pipe|"

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from ..plan import Accelerator, DevicePlan
+from ...plan import Accelerator, DevicePlan
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 

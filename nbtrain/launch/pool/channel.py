@@ -12,15 +12,15 @@ import threading
 import time
 from typing import Any
 
-from ..cells import busy_while_blocking
-from ..errors import RunTimeoutError, places_of, where_text
-from ..outcome import Teardown
-from ..output import CellOutput
-from ..questions import answer_waiting
-from ..wire import Command, DropGroup, Regroup, encode_command
-from .launcher import interrupts_deferred
-from .links import links
-from .pool_op import INTERRUPT_GRACE_S, STUCK_S, PoolOp, cell_error
+from ...cells import busy_while_blocking
+from ...errors import RunTimeoutError, places_of, where_text
+from ...outcome import Teardown
+from ...output import CellOutput
+from ...questions import answer_waiting
+from ...wire import Command, DropGroup, Regroup, encode_command
+from ..starting.launcher import interrupts_deferred
+from ..following.links import links
+from .op import INTERRUPT_GRACE_S, STUCK_S, PoolOp, cell_error
 
 REGROUP_S = 30.0  # at most this long for the ranks to start a new process group
 

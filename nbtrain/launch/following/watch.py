@@ -16,9 +16,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..outcome import Ending, Frame
-from ..questions import Question, post, question_in
-from ..wire import (
+from ...outcome import Ending, Frame
+from ...questions import Question, post, question_in
+from ...wire import (
     ACTIVITY,
     AT_STORE,
     FAILURE,
@@ -30,7 +30,7 @@ from ..wire import (
 )
 from .failures import Failure, explain_alone, reported_failure, with_stack
 from .late import Late
-from .launcher import WorkerHandle
+from ..starting.launcher import WorkerHandle
 from .pipes import GLOO_START, PipeText
 from .stacks import FATAL, Dump, dump_within, in_dump
 

@@ -11,10 +11,10 @@ import signal
 import threading
 import time
 
-from ..outcome import Teardown
-from ..wire import Activity
+from ...outcome import Teardown
+from ...wire import Activity
 from .failures import Failure, exit_failure
-from .launcher import WorkerHandle
+from ..starting.launcher import WorkerHandle
 from .watch import RankState, Watch
 
 FAILURE_GRACE_S = 0.25  # after a first failure, wait this long for the root cause to report

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ..errors import cell_label, filename_map
+from ...errors import cell_label, filename_map
 
 # Libraries that use the CUDA driver directly (not through torch): named when the driver
 # was initialised behind torch. Top-level module names as they appear in sys.modules.
@@ -107,7 +107,7 @@ DRIVER_STATE: Callable[[], bool] = driver_initialised
 
 # -- where a call came from ------------------------------------------------------------------
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # nbtrain/
+_HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # nbtrain/
 
 
 def caller(frame) -> tuple[str, str]:

@@ -18,7 +18,7 @@ import re
 import sysconfig
 from dataclasses import dataclass, field
 
-from ..outcome import Frame
+from ...outcome import Frame
 
 FATAL = "Fatal Python error:"  # the first line of a dump written as the rank dies
 # Every other line such a dump has (Python 3.10-3.13): what does not match ends it.
@@ -30,8 +30,8 @@ _THREAD = re.compile(r"^((Current thread|Thread) 0x[0-9a-fA-F]+|Stack \(most rec
 _START = re.compile(r"Fatal Python error:|(Current thread|Thread) 0x[0-9a-fA-F]+ "
                     r"\(most recent call first\):|Stack \(most recent call first\):")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
-_RANK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rank")
-_PACKAGE_DIR = os.path.dirname(_RANK_DIR)
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_RANK_DIR = os.path.join(_PACKAGE_DIR, "rank")
 
 
 @dataclass

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..run import Run
-from ..wire import LaunchRun, RunSettings
-from . import start
-from .pool_op import INTERRUPT_GRACE_S
+from ...run import Run
+from ...wire import LaunchRun, RunSettings
+from .. import start
+from .op import INTERRUPT_GRACE_S
 
 
 class PoolLaunch:
@@ -27,7 +27,7 @@ class PoolLaunch:
         self.claimed = False
 
     def prepare(self, request: start.Request, plan) -> start.Request:
-        from .spawn import serialize
+        from ..starting.spawn import serialize
 
         pool, chosen = self.pool, request.strategy
         if chosen.start_method and chosen.start_method != pool.start_method:
@@ -46,7 +46,7 @@ class PoolLaunch:
         return request
 
     def start(self, request: start.Request, plan, run: Run):
-        from ..telemetry.channel import TelemetryServer
+        from ...telemetry.channel import TelemetryServer
 
         pool = self.pool
         settings = request.telemetry

@@ -9,7 +9,7 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
-from ..spec import WorkerSpec
+from ...spec import WorkerSpec
 from .guards import fork_threads
 from .launcher import WorkerHandle, start_with_context
 from .warm import warm_kernel
