@@ -10,9 +10,10 @@ from . import checkpoint, strategies
 from .bandwidth import bandwidth
 from .context import Context
 from .errors import RunStoppedError, RunTimeoutError, WorkerError, remember_cell_names
-from .launch.starting import culprit, warm
 from .launch import launch
 from .launch.pool.ranks import RankPool
+from .launch.starting import culprit, warm
+from .planner import plan
 from .run import Run, last_run
 from .scaleout import torchrun as _torchrun  # noqa: F401  (launch() under torchrun)
 from .scaleout.listen import listen
@@ -24,7 +25,7 @@ from .ui import preload as _preload_chart
 
 __all__ = ["Context", "RankPool", "Run", "RunStoppedError", "RunTimeoutError",
            "StrategyPicker", "Telemetry", "WorkerError", "bandwidth", "compare", "last_run",
-           "launch", "scaling",
+           "launch", "plan", "scaling",
            "listen", "progress", "strategies", "checkpoint", "submit"]
 __version__ = "0.1.0"
 

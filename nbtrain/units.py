@@ -21,4 +21,7 @@ def format_bytes(nbytes: float) -> str:
     if abs(nbytes) < 2**10:
         return f"{nbytes:.0f} B"
     name, size = unit_for(abs(nbytes))
-    return f"{nbytes / size:.3g} {name}"
+    value = nbytes / size
+    if abs(value) >= 999.5:  # 1000-1023 of a unit: three digits would read "1e+03"
+        return f"{value:.0f} {name}"
+    return f"{value:.3g} {name}"

@@ -25,8 +25,8 @@ from workloads import cpu_and_gpu_collectives, every_train, param_count, single_
 
 import nbtrain
 from nbtrain.checkpoint import exists
+from nbtrain.deviceplan import DevicePlan
 from nbtrain.launch.starting.devices import cuda_device_count
-from nbtrain.plan import DevicePlan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_leftovers")]
 

@@ -87,7 +87,7 @@ def test_circles_are_found():
 FORBIDDEN = {
     "nbtrain.wire": ("nbtrain",),
     "nbtrain.display_record": ("nbtrain",),
-    "nbtrain.plan": ("nbtrain",),
+    "nbtrain.deviceplan": ("nbtrain",),
     "nbtrain.rank": ("nbtrain.launch", "nbtrain.run", "nbtrain.scaleout",
                      "nbtrain.ui", "nbtrain.magics", "nbtrain.cells"),
     "nbtrain.launch": ("nbtrain.ui", "nbtrain.magics"),
@@ -97,7 +97,7 @@ FORBIDDEN = {
     "nbtrain.strategies": ("nbtrain.ui", "nbtrain.launch", "nbtrain.rank", "nbtrain.run"),
     "nbtrain.context": ("nbtrain.ui", "nbtrain.launch", "nbtrain.rank", "nbtrain.run"),
 }
-# (none: the device plan, which strategies check, is plain data in nbtrain/plan.py)
+# (none: the device plan, which strategies check, is plain data in nbtrain/deviceplan.py)
 ALLOWED: set[tuple[str, str]] = set()
 
 

@@ -17,8 +17,8 @@ import torch
 from workloads import fail_on, sleeper, train
 
 import nbtrain
-from nbtrain.launch.pool.ranks import RankCellError
 from nbtrain.launch.pool.op import Quiet
+from nbtrain.launch.pool.ranks import RankCellError
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 

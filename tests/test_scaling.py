@@ -11,7 +11,7 @@ from workloads import train, train_single
 
 import nbtrain
 from nbtrain import strategies
-from nbtrain.plan import DevicePlan
+from nbtrain.deviceplan import DevicePlan
 from nbtrain.telemetry.advice import Scaling, verdict
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")

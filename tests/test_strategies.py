@@ -5,7 +5,7 @@ from workloads import grad_storages
 
 import nbtrain
 from nbtrain import strategies
-from nbtrain.plan import DevicePlan
+from nbtrain.deviceplan import DevicePlan
 from nbtrain.strategies import DDP, FSDP
 
 

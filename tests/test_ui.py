@@ -51,6 +51,7 @@ def test_byte_counts_read_in_one_unit():
 
     assert format_bytes(100) == "100 B" and format_bytes(512 * 2**20) == "512 MB"
     assert format_bytes(7.85 * 2**30) == "7.85 GB" and format_bytes(1536) == "1.5 KB"
+    assert format_bytes(1000 * 2**10) == "1000 KB"  # not "1e+03 KB"
     assert unit_for(0) == ("KB", 1024) and unit_for(3 * 2**30) == ("GB", 2**30)
 
 
@@ -576,7 +577,7 @@ def test_failure_is_drawn_before_the_error_reaches_the_caller():
 
 def test_picker_offers_what_runs_on_the_accelerator(monkeypatch):
     from nbtrain import strategies
-    from nbtrain.plan import DevicePlan
+    from nbtrain.deviceplan import DevicePlan
     from nbtrain.strategies import deepspeed
 
     cpu = nbtrain.StrategyPicker(train, devices=2, accelerator="cpu", display=False)

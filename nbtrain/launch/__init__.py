@@ -15,10 +15,10 @@ from ..telemetry.channel import TelemetryServer
 from ..telemetry.settings import Telemetry
 from ..telemetry.sinks import Sink
 from . import calls, start
+from .following.supervisor import Supervisor
 from .starting import launchers
 from .starting.devices import parse_devices, threads_per_worker
 from .starting.launcher import Launcher
-from .following.supervisor import Supervisor
 
 __all__ = ["launch"]
 

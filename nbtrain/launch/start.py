@@ -38,8 +38,8 @@ from ..spec import WORKER_ENV, WorkerSpec
 from ..strategies import Strategy
 from ..telemetry.settings import Telemetry
 from . import calls
-from .starting.launcher import Launcher, WorkerHandle, interrupts_deferred
 from .following.watch import kill_group
+from .starting.launcher import Launcher, WorkerHandle, interrupts_deferred
 
 HOST = "127.0.0.1"  # where the ranks of this machine meet: their store, the listener
 

@@ -30,10 +30,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from ..deviceplan import DevicePlan
 from ..launch import start
 from ..launch.starting.spawn import serialize
 from ..outcome import Reported, Teardown
-from ..plan import DevicePlan
 from ..run import Run
 from ..telemetry.settings import Telemetry
 from ..wire import encode_result

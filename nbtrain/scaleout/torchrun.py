@@ -27,11 +27,11 @@ import time
 import uuid
 from typing import Any
 
+from ..deviceplan import DevicePlan
 from ..errors import WorkerError
-from ..launch.starting.devices import resolve_accelerator
 from ..launch.start import Request, register_in_process
+from ..launch.starting.devices import resolve_accelerator
 from ..outcome import Reported
-from ..plan import DevicePlan
 from ..rank.worker import execute
 from ..run import Run
 from ..spec import WORKER_ENV, WorkerSpec

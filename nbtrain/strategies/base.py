@@ -15,7 +15,7 @@ from .activation import apply, clean_name, normalize
 from .norms import convert_to_sync
 
 if TYPE_CHECKING:
-    from ..plan import DevicePlan
+    from ..deviceplan import DevicePlan
 
 
 class Host(Protocol):
@@ -47,6 +47,24 @@ def normalize_precision(value) -> Precision:
                          "scaler) or 'bf16-mixed' (bf16), or None for fp32.")
     raise ValueError(f"mixed_precision={value!r} is not one of {PRECISIONS} (Lightning's "
                      f"'16-mixed', 'bf16-mixed' and '32-true' are understood too).")
+
+
+@dataclass(frozen=True)
+class ParamSize:
+    """One parameter as ``Strategy.held`` reads it: its elements and rows (dim 0, along
+    which FSDP shards), its bytes and its gradient's, and its optimizer state's bytes,
+    those shaped like it (``state_bytes``: sharded with it) and the rest (a step count)."""
+
+    numel: int
+    rows: int
+    param_bytes: int
+    grad_bytes: int
+    state_bytes: int = 0
+    state_fixed: int = 0
+
+
+def _grad_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 @dataclass
@@ -252,6 +270,28 @@ class Strategy:
         ``n_params`` parameters."""
         shards = self.shards(world_size)
         return {k: v / shards if k in self.sharded() else float(v) for k, v in state.items()}
+
+    # -- what a rank holds, for nbtrain.plan() (planner.py): from the parameters' sizes,
+    # before any rank runs ---------------------------------------------------------------
+    def held(self, sizes: list[ParamSize], world_size: int) -> dict[str, float]:
+        """The bytes of ``params``, ``grads`` and ``optimizer`` the fullest rank keeps on
+        its device between steps, given every parameter's ``sizes`` (shared ones once).
+        By default the ZeRO table's row (``theory``)."""
+        whole = {"params": sum(s.param_bytes for s in sizes),
+                 "grads": sum(s.grad_bytes for s in sizes),
+                 "optimizer": sum(s.state_bytes + s.state_fixed for s in sizes)}
+        return self.theory(whole, world_size, sum(s.numel for s in sizes))
+
+    def gathered(self, model: nn.Module, world_size: int) -> float:
+        """Bytes a rank holds beyond ``held`` at a step's peak (FSDP: the parameters it
+        gathers); none by default."""
+        return 0.0
+
+    def sent(self, model: nn.Module, world_size: int) -> float:
+        """Bytes one rank sends per training step, by the ring algorithms NCCL and gloo
+        use (an all-reduce sends 2(N-1)/N of its buffer, an all-gather or a
+        reduce-scatter (N-1)/N): by default one all-reduce of the gradients."""
+        return 2 * (world_size - 1) / world_size * _grad_bytes(model)
 
     def release(self) -> None:
         """After a run in a warm worker (a RankPool): let go of what the strategy keeps

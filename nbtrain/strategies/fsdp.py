@@ -23,7 +23,7 @@ from . import norms, unused
 from .base import Host, Strategy, checkpointed
 
 if TYPE_CHECKING:
-    from ..plan import DevicePlan
+    from ..deviceplan import DevicePlan
 
 
 @dataclass
@@ -86,6 +86,53 @@ class FSDP(Strategy):
         if self.offload:  # the shards live in host memory: ~0 on the device
             return dict.fromkeys(state, 0.0)
         return super().theory(state, world_size, n_params)
+
+    def held(self, sizes, world_size: int) -> dict[str, float]:
+        """Rank 0's chunk of each parameter's rows (``torch.chunk``'s, the largest), and
+        of its gradient and optimizer state; nothing on the device with offload."""
+        held = dict.fromkeys(("params", "grads", "optimizer"), 0.0)
+        if self.offload:
+            return held
+        shards = self.shards(world_size)
+        for s in sizes:
+            share = min(-(-s.rows // shards), s.rows) / s.rows if s.rows else 1.0
+            held["params"] += s.param_bytes * share
+            held["grads"] += s.grad_bytes * share
+            held["optimizer"] += s.state_bytes * share + s.state_fixed
+        return held
+
+    def _unit_bytes(self, model: nn.Module) -> tuple[list[int], int]:
+        """Each unit's own parameters' bytes (children first), and the root's."""
+        seen: set[int] = set()
+        units = []
+        for unit in self.units(model):
+            own = [p for p in unit.parameters() if id(p) not in seen]
+            seen.update(id(p) for p in own)
+            units.append(sum(p.numel() * p.element_size() for p in own))
+        root = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in seen)
+        return units, root
+
+    def gathered(self, model: nn.Module, world_size: int) -> float:
+        """At the peak: the root's parameters, gathered from forward to backward (FSDP2
+        keeps the root's), two units' (the one running and the next, prefetched), or
+        every unit's with ``reshard_after_forward=False``; and one unit's whole
+        gradient before its reduce-scatter. With offload, whole copies of all of it."""
+        units, root = self._unit_bytes(model)
+        keep = 1.0 if self.offload else 1 - 1 / self.shards(world_size)
+        live = sum(units) if not self.reshard_after_forward else sum(sorted(units)[-2:])
+        return (root + live) * keep + max(units, default=root)
+
+    def sent(self, model: nn.Module, world_size: int) -> float:
+        """All-gathers of the parameters in forward and again in backward (the root's
+        once; once in all with ``reshard_after_forward=False``), a reduce-scatter of the
+        gradients; with hybrid sharding, within a shard group, and an all-reduce of the
+        shards across the groups."""
+        units, root = self._unit_bytes(model)
+        groups, size = self.mesh_shape(world_size) if self.hybrid else (1, world_size)
+        params = root + sum(units) * (2 if self.reshard_after_forward else 1)
+        grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        within = (size - 1) / size * (params + grads)
+        return within + 2 * (groups - 1) / groups * grads / size
 
     def check(self, plan: DevicePlan) -> None:
         super().check(plan)

@@ -16,7 +16,7 @@ from .fsdp import FSDP
 from .zero import Zero1
 
 if TYPE_CHECKING:
-    from ..plan import DevicePlan
+    from ..deviceplan import DevicePlan
 
 
 @dataclass(frozen=True)

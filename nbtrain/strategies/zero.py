@@ -41,6 +41,24 @@ class Zero1(DDP):
     def sharded(self) -> frozenset[str]:
         return frozenset({"optimizer"})
 
+    def held(self, sizes, world_size: int) -> dict[str, float]:
+        """Parameters and gradients whole; the optimizer state of the parameters
+        ZeroRedundancyOptimizer gives the fullest rank (largest first, each to the rank
+        with the fewest elements so far)."""
+        counts, state = [0] * world_size, [0.0] * world_size
+        for s in sorted(sizes, key=lambda s: s.numel, reverse=True):
+            rank = counts.index(min(counts))
+            counts[rank] += s.numel
+            state[rank] += s.state_bytes + s.state_fixed
+        return {"params": float(sum(s.param_bytes for s in sizes)),
+                "grads": float(sum(s.grad_bytes for s in sizes)), "optimizer": max(state)}
+
+    def sent(self, model: nn.Module, world_size: int) -> float:
+        """DDP's all-reduce of the gradients, then each rank's updated parameters to the
+        others (as much as an all-gather of them)."""
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        return super().sent(model, world_size) + (world_size - 1) / world_size * params
+
     def setup_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module,
                         ctx: Host) -> torch.optim.Optimizer:
         return to_zero(optimizer, self.parameters_as_bucket_view)

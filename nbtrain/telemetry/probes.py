@@ -119,8 +119,9 @@ class ActivationProbe:
             local = _local(t)
             try:
                 storage = local.untyped_storage()
-                key = (local.device, storage.data_ptr())
-                if storage.data_ptr() and key not in self._seen:
+                # a meta tensor's storage has no address (nbtrain.plan's rehearsal)
+                key = (local.device, storage._cdata if local.is_meta else storage.data_ptr())
+                if key[1] and key not in self._seen:
                     self._seen.add(key)
                     self.bytes += storage.nbytes()
             except (RuntimeError, NotImplementedError):  # tensors without storage

@@ -13,8 +13,8 @@ import time
 
 from ...outcome import Teardown
 from ...wire import Activity
-from .failures import Failure, exit_failure
 from ..starting.launcher import WorkerHandle
+from .failures import Failure, exit_failure
 from .watch import RankState, Watch
 
 FAILURE_GRACE_S = 0.25  # after a first failure, wait this long for the root cause to report

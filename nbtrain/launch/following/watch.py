@@ -28,9 +28,9 @@ from ...wire import (
     decode_activity,
     decode_failure,
 )
+from ..starting.launcher import WorkerHandle
 from .failures import Failure, explain_alone, reported_failure, with_stack
 from .late import Late
-from ..starting.launcher import WorkerHandle
 from .pipes import GLOO_START, PipeText
 from .stacks import FATAL, Dump, dump_within, in_dump
 

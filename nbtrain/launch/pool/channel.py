@@ -18,8 +18,8 @@ from ...outcome import Teardown
 from ...output import CellOutput
 from ...questions import answer_waiting
 from ...wire import Command, DropGroup, Regroup, encode_command
-from ..starting.launcher import interrupts_deferred
 from ..following.links import links
+from ..starting.launcher import interrupts_deferred
 from .op import INTERRUPT_GRACE_S, STUCK_S, PoolOp, cell_error
 
 REGROUP_S = 30.0  # at most this long for the ranks to start a new process group

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from ...errors import WorkerError, cell_names
 from ...wire import first_line, label
 from ..following.failures import Failure, exit_failure
-from ..starting.launcher import WorkerHandle
 from ..following.supervisor import STACKS_S, Follower
 from ..following.watch import RankState
+from ..starting.launcher import WorkerHandle
 
 INTERRUPT_GRACE_S = 3.0  # after SIGINT, how long busy ranks get to reply
 RESEND_S = 0.25  # SIGINT again to ranks that have not replied yet

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...cells import POOL_CODE, busy_while_blocking
-from ...plan import DevicePlan
+from ...deviceplan import DevicePlan
 from ...units import format_bytes
 from ...wire import (
     Exec,
@@ -46,13 +46,13 @@ from ...wire import (
     encode_command,
 )
 from .. import calls, start
+from ..following.watch import kill_group
 from ..starting import launchers
 from ..starting.devices import parse_devices, threads_per_worker
 from ..starting.launcher import WorkerHandle
 from .channel import PoolChannel
 from .launch import PoolLaunch
 from .op import RankCellError, cell_error
-from ..following.watch import kill_group
 
 EXIT_GRACE_S = 2.0  # after "exit", how long before SIGKILL
 _POOLS: set[RankPool] = set()  # open pools (held: their workers live until close())

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from ...plan import Accelerator, DevicePlan
+from ...deviceplan import Accelerator, DevicePlan
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 
@@ -68,6 +68,28 @@ def gpu_capabilities(indices) -> dict[int, tuple[str, int, int]]:
         return found
     except (ValueError, IndexError, OSError, AttributeError):
         return {}
+
+
+def gpu_memory(index: int = 0) -> tuple[str, int] | None:
+    """(name, total bytes) of visible GPU ``index``, from NVML (no CUDA initialisation);
+    None where NVML cannot tell."""
+    if not nvidia_driver_present():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        physical = index if visible is None else [int(x) for x in visible.split(",")
+                                                  if x.strip()][index]
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        handle, name = ctypes.c_void_p(), ctypes.create_string_buffer(96)
+        memory = (ctypes.c_ulonglong * 3)()  # nvmlMemory_t: total, free, used
+        if (nvml.nvmlInit_v2() or nvml.nvmlDeviceGetHandleByIndex_v2(physical,
+                                                                      ctypes.byref(handle))
+                or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory))):
+            return None
+        nvml.nvmlDeviceGetName(handle, name, len(name))
+        return name.value.decode(errors="replace"), int(memory[0])
+    except (ValueError, IndexError, OSError, AttributeError):
+        return None
 
 
 def resolve_accelerator(accelerator: str) -> Accelerator:

@@ -32,7 +32,7 @@ from .runtime import (
 )
 
 if TYPE_CHECKING:
-    from ...plan import DevicePlan
+    from ...deviceplan import DevicePlan
 
 BUCKET = int(2e8)  # Lightning's reduce and all-gather bucket sizes
 

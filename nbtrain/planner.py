@@ -1,0 +1,228 @@
+"""``nbtrain.plan()``: will the model fit, and under which strategy, before the launch.
+
+The function ``launch()`` would run is rehearsed in the kernel on the meta device, as
+rank 0 of N, up to its second optimizer step (``rehearsal.py``): no GPU, no memory, no
+data. From it, per rank (the fullest rank's):
+
+- **params, grads, optimizer**: counted exactly from the parameters' sizes and the
+  optimizer's state, shared storage once, by each strategy's own sharding
+  (``Strategy.held``: FSDP's chunks of dim 0, ZeroRedundancyOptimizer's partition);
+- **activations**: what the forward saves for backward, as ``Telemetry(profile_memory=
+  True)`` measures it in a run;
+- **peak**: the most bytes live at once in the step, temporaries included (the
+  optimizer's step, for a model of small activations), with the model state at the
+  strategy's share, plus what the strategy gathers beyond it (``Strategy.gathered``:
+  FSDP's units). This is what a GPU's allocator sees; a CPU rank measures no such peak.
+
+FSDP is not traced under a process group (torch's ``FSDPMemTracker`` needs one; its fake
+group lives in torch's test suite, and a default group made in the kernel would be the
+kernel's): its gathers are counted from its units' sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .rehearsal import Trace, rehearse
+from .strategies.base import Strategy
+from .strategies.registry import get
+from .units import format_bytes
+
+MiB = 1 << 20
+# What each card's memory reads in NVML (nvidia-smi's total), in MiB.
+GPUS = {"T4": 15360, "L4": 23034, "A10G": 23028, "P100": 16384, "V100-16GB": 16384,
+        "V100-32GB": 32768, "A100-40GB": 40960, "A100-80GB": 81920, "H100": 81559,
+        "H200": 143771}
+CONTEXT = 500 * MiB  # CUDA's context and torch's kernels, before the first tensor
+MARGIN = 0.05  # of the rest: the caching allocator's rounding and fragmentation
+# In the order one is picked: fewest bytes sent, no sharding unless needed, then the
+# same with activation checkpointing (recomputing the forward costs a third more
+# compute), offload last.
+STRATEGIES = ("ddp", "zero1", "fsdp_grad_op", "fsdp", "fsdp_offload")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One strategy's per-rank bytes (the fullest rank's) in a ``Plan``."""
+
+    strategy: str
+    checkpointing: bool
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    peak: float
+    sent: float  # bytes one rank sends per step
+    fits: bool | None  # None: no device to fit
+    headroom: float | None  # usable memory minus peak
+    offload: bool = False  # the model state lives in host memory (slowest, picked last)
+
+    @property
+    def name(self) -> str:
+        return self.strategy + (" + checkpointing" if self.checkpointing else "")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """``nbtrain.plan()``'s answer: ``rows`` per strategy, ``pick`` the one to use."""
+
+    rows: tuple[Row, ...]
+    world_size: int
+    device: str  # the device fitted to, in words ("" when none)
+    usable: float | None  # its bytes for tensors
+    bandwidth: float | None  # bytes/s a rank sends at, when given
+
+    @property
+    def pick(self) -> Row | None:
+        """The first row, in ``STRATEGIES``' order (without, then with checkpointing,
+        offload last), that fits; None when none does or there is no device."""
+        fitting = [r for r in self.rows if r.fits]
+        order = {name: i for i, name in enumerate(STRATEGIES)}
+        return min(fitting, key=lambda r: (r.offload, r.checkpointing,
+                                           order.get(r.strategy, len(order))), default=None)
+
+    def row(self, strategy: str, checkpointing: bool = False) -> Row:
+        for r in self.rows:
+            if r.strategy == strategy and r.checkpointing == checkpointing:
+                return r
+        raise KeyError(f"no row for {strategy!r}; the plan has {[r.name for r in self.rows]}")
+
+    def sentence(self) -> str:
+        if self.usable is None:
+            return (f"On {self.world_size} ranks, per rank: the least peak is "
+                    f"{format_bytes(min(r.peak for r in self.rows))} "
+                    f"({min(self.rows, key=lambda r: r.peak).name}). Give gpu='T4' (or "
+                    "bytes) to know what fits.")
+        pick = self.pick
+        if pick is None:
+            least = min(self.rows, key=lambda r: r.peak)
+            return (f"Nothing fits {self.device} ({format_bytes(self.usable)} usable): the "
+                    f"least peak, {least.name}, needs {format_bytes(least.peak)} a rank. "
+                    "Use more devices, a smaller batch or mixed precision.")
+        others = [r.name for r in self.rows if r.fits and r is not pick]
+        return (f"Use {pick.name}: its peak of {format_bytes(pick.peak)} a rank fits "
+                f"{self.device} ({format_bytes(self.usable)} usable) with "
+                f"{format_bytes(pick.headroom)} to spare"
+                + (f"; also fit: {', '.join(others)}." if others else "; nothing else fits."))
+
+    def _cells(self, r: Row) -> list[str]:
+        cells = [r.name, *(format_bytes(v) for v in (r.params, r.grads, r.optimizer,
+                                                      r.activations, r.peak)),
+                 format_bytes(r.sent)]
+        if self.bandwidth:
+            cells.append(f"{r.sent / self.bandwidth * 1e3:.1f} ms")
+        if self.usable is not None:
+            cells.append(("fits, " if r.fits else "too big by ")
+                         + format_bytes(abs(r.headroom)))
+        return cells
+
+    def _header(self) -> list[str]:
+        head = ["strategy", "params", "grads", "optimizer", "activations", "peak",
+                "sent/step"]
+        return head + (["comm ≥"] if self.bandwidth else []) + (
+            [f"on {self.device}"] if self.usable is not None else [])
+
+    def __str__(self) -> str:
+        table = [self._header(), *(self._cells(r) for r in self.rows)]
+        widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True))
+                 for line in table]
+        return self.sentence() + "\n\n" + "\n".join(lines) + \
+            "\n(bytes per rank, the fullest rank's; peak: the most live at once in a step)"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_html_(self) -> str:
+        import html
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in self._header())
+        body = "".join(
+            "<tr style='{}'>".format("" if r.fits is not False else "color:#b00")
+            + "".join(f"<td>{html.escape(c)}</td>" for c in self._cells(r)) + "</tr>"
+            for r in self.rows)
+        return (f"<p>{html.escape(self.sentence())}</p><table><tr>{head}</tr>{body}</table>"
+                "<p style='font-size:smaller'>bytes per rank (the fullest rank's); peak: "
+                "the most memory live at once in a training step</p>")
+
+
+def _row(name: str, strategy: Strategy, trace: Trace, world_size: int, checkpointing: bool,
+         usable: float | None) -> Row:
+    whole = {"params": sum(s.param_bytes for s in trace.sizes),
+             "grads": sum(s.grad_bytes for s in trace.sizes),
+             "optimizer": sum(s.state_bytes + s.state_fixed for s in trace.sizes)}
+    held = strategy.held(trace.sizes, world_size)
+    at_peak = trace.peak
+    # the step's peak with the model state at this strategy's share (the optimizer's
+    # temporaries in its step scale with the state it steps)
+    peak = at_peak.get("total", 0.0)
+    for kind, key in (("params", "params"), ("grad", "grads"), ("opt", "optimizer")):
+        share = held[key] / whole[key] if whole[key] else 1.0
+        peak -= (whole[key] if kind == "params" else at_peak[kind]) * (1 - share)
+    peak += strategy.gathered(trace.model, world_size)
+    fits = None if usable is None else peak <= usable
+    return Row(name, checkpointing, held["params"], held["grads"], held["optimizer"],
+               trace.activations, peak, strategy.sent(trace.model, world_size), fits,
+               None if usable is None else usable - peak, bool(getattr(strategy, "offload", False)))
+
+
+def usable_bytes(gpu) -> tuple[str, float | None]:
+    """(the device in words, the bytes its tensors can use) for ``gpu=``: a name in
+    ``GPUS``, bytes, or None for the visible GPU (NVML; ("", None) without one)."""
+    if gpu is None:
+        from .launch.starting.devices import gpu_memory
+
+        found = gpu_memory(0)
+        if found is None:
+            return "", None
+        name, total = found
+    elif isinstance(gpu, str):
+        key = {k.lower(): k for k in GPUS}.get(gpu.strip().lower())
+        if key is None:
+            raise ValueError(f"gpu={gpu!r} is not one nbtrain knows; give one of "
+                             f"{', '.join(GPUS)}, or its memory in bytes (gpu=16 * 2**30).")
+        name, total = key, GPUS[key] * MiB
+    elif isinstance(gpu, (int, float)) and not isinstance(gpu, bool) and gpu > CONTEXT:
+        name, total = f"a {format_bytes(gpu)} device", float(gpu)
+    else:
+        raise ValueError(f"gpu={gpu!r}: give a GPU's name ({', '.join(GPUS)}) or its "
+                         f"memory in bytes, more than CUDA's context ({format_bytes(CONTEXT)}).")
+    return name, (total - CONTEXT) * (1 - MARGIN)
+
+
+def plan(fn: Callable, *args, devices: int = 2, gpu: str | float | None = None,
+         strategies: tuple[str, ...] | None = None, checkpointing: bool = True,
+         bandwidth: float | None = None, seed: int | None = None, **kwargs) -> Plan:
+    """Per rank, before any launch: the bytes of parameters, gradients, optimizer state,
+    activations and a training step's peak under each strategy, which fit ``gpu`` (a
+    name such as ``"T4"``, bytes, or by default the visible GPU) and the one to use.
+
+    ``fn(ctx, *args, **kwargs)`` is the function ``launch()`` would run; it is rehearsed
+    on the meta device up to its second optimizer step (module docstring). ``devices``:
+    how many ranks. ``checkpointing``: also plan each strategy with activation
+    checkpointing of the model's blocks. ``bandwidth``: bytes/s a rank sends at (e.g.
+    from ``nbtrain.bandwidth``) gives the least time a step's communication takes."""
+    from .launch.starting.devices import parse_devices
+
+    world_size = parse_devices(devices, "cpu").world_size
+    if world_size < 2:
+        raise ValueError(f"devices={devices!r}: a plan compares ways to share a model "
+                         "among ranks; give 2 or more.")
+    if bandwidth is not None and not bandwidth > 0:
+        raise ValueError(f"bandwidth={bandwidth!r} must be bytes per second, > 0.")
+    device, usable = usable_bytes(gpu)
+    chosen = {name: get(name) for name in (strategies or STRATEGIES)}
+    traces = {False: rehearse(fn, args, kwargs, world_size, None, seed or 0)}
+    if checkpointing:
+        try:
+            traces[True] = rehearse(fn, args, kwargs, world_size, "auto", seed or 0)
+        except ValueError as err:
+            if "block" not in str(err):  # a model without blocks to checkpoint: no rows
+                raise
+    rows = tuple(_row(name, strategy, trace, world_size, ckpt, usable)
+                 for ckpt, trace in traces.items() for name, strategy in chosen.items()
+                 if not (ckpt and strategy.activation_checkpointing))
+    return Plan(rows, world_size, device, usable, bandwidth)
+
+
+__all__ = ["GPUS", "Plan", "Row", "plan"]

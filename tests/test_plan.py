@@ -1,0 +1,154 @@
+"""``nbtrain.plan()`` against what runs measure: each strategy's per-rank parameters,
+gradients and optimizer state exactly as a 2-rank run's memory events count them
+(shared storage once, uneven shards), the activations as ``profile_memory`` measures them,
+on an MLP and on models users bring (GPT-2 with its tied embedding, Llama); which
+strategy fits a device and which to use; and a rehearsal that leaves the kernel as it was
+and says what it needs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from models import fit
+from torch import nn
+
+import nbtrain
+from nbtrain.planner import CONTEXT, GPUS, MARGIN, STRATEGIES
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+CATEGORIES = ("params", "grads", "optimizer", "activations")
+
+
+def mlp_train(ctx, batch: int = 16, steps: int = 3):
+    torch.manual_seed(0)
+    # 255 rows: FSDP's two shards are uneven (128 and 127 rows)
+    model = nn.Sequential(nn.Linear(64, 255), nn.ReLU(), nn.Linear(255, 256), nn.ReLU(),
+                          nn.Linear(256, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = ctx.setup(model, opt)
+    n = batch * steps * ctx.world_size
+    data = torch.utils.data.TensorDataset(torch.randn(n, 64), torch.randint(0, 10, (n,)))
+    for x, y in ctx.dataloader(data, batch_size=batch, shuffle=True):
+        loss = nn.functional.cross_entropy(model(x), y)
+        ctx.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        ctx.log(loss=loss)
+        if loss.item() > 1e6:  # a value read: the rehearsal reads 1
+            raise RuntimeError("diverged")
+    return "trained"
+
+
+def measured(fn, *args, strategy: str, **kwargs) -> dict[str, float]:
+    """The fullest rank's bytes per category, from a 2-rank CPU run's last memory event."""
+    run = nbtrain.launch(fn, *args, devices=2, accelerator="cpu", strategy=strategy,
+                         dashboard=False, **kwargs,
+                         telemetry=nbtrain.Telemetry(profile_memory=True, memory_every=1))
+    last = [list(run.history.events("memory", rank))[-1].values for rank in (0, 1)]
+    return {k: max(values.get(k, 0) for values in last) for k in CATEGORIES}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp", "fsdp_grad_op"])
+def test_the_plan_counts_what_each_rank_holds_as_a_run_measures_it(strategy):
+    plan = nbtrain.plan(mlp_train, devices=2, strategies=(strategy,), checkpointing=False)
+    row = plan.row(strategy)
+    got = measured(mlp_train, strategy=strategy)
+    planned = {k: getattr(row, k) for k in CATEGORIES}
+    for k in ("params", "grads", "optimizer"):
+        assert planned[k] == got[k], f"{strategy} {k}: planned {planned[k]}, measured {got[k]}"
+    assert planned["activations"] == pytest.approx(got["activations"], rel=0.10)
+    assert row.peak >= sum(planned.values())  # the step's peak holds all of them, and more
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_plan_of_models_users_bring_matches_their_runs(kind):
+    pytest.importorskip("transformers")
+    plan = nbtrain.plan(fit, kind, steps=3, devices=2, strategies=("ddp", "fsdp"),
+                        checkpointing=False)
+    for strategy in ("ddp", "fsdp"):
+        row = plan.row(strategy)
+        got = measured(fit, kind, steps=3, strategy=strategy)
+        for k in ("params", "grads", "optimizer"):
+            assert getattr(row, k) == got[k], f"{kind} {strategy} {k}"
+        assert row.activations == pytest.approx(got["activations"], rel=0.10)
+        assert sum(getattr(row, k) for k in CATEGORIES) == pytest.approx(sum(got.values()),
+                                                                        rel=0.10)
+    if kind == "gpt2":  # the tied embedding counted once, as the run counts it
+        whole = sum(p.numel() * 4 for p in _gpt2_unique_params())
+        assert plan.row("ddp").params == whole
+
+
+def _gpt2_unique_params():
+    from models import make
+
+    return list(make("gpt2").parameters())  # named once though two modules hold it
+
+
+def test_checkpointing_rows_keep_fewer_activations():
+    pytest.importorskip("transformers")
+    plan = nbtrain.plan(fit, "gpt2", steps=3, devices=2, strategies=("ddp",))
+    plain, recomputed = plan.row("ddp"), plan.row("ddp", checkpointing=True)
+    assert recomputed.activations < plain.activations
+    assert (recomputed.params, recomputed.optimizer) == (plain.params, plain.optimizer)
+
+
+def test_a_plan_says_what_fits_a_device_and_which_to_use():
+    bare = nbtrain.plan(mlp_train, devices=2, checkpointing=False)
+    assert all(r.fits is None for r in bare.rows) and bare.pick is None
+    assert "gpu=" in bare.sentence()
+    ddp, fsdp = bare.row("ddp"), bare.row("fsdp")
+    assert fsdp.peak < ddp.peak and fsdp.sent > ddp.sent  # less memory, more bytes sent
+    usable = (ddp.peak + fsdp.peak) / 2  # a device between the two
+    plan = nbtrain.plan(mlp_train, devices=2, checkpointing=False,
+                        gpu=usable / (1 - MARGIN) + CONTEXT)
+    assert plan.row("ddp").fits is False and plan.row("fsdp").fits is True
+    fitting = {r.strategy for r in plan.rows if r.fits}
+    assert plan.pick.strategy == next(s for s in STRATEGIES if s in fitting)  # in order
+    assert plan.pick.headroom == pytest.approx(usable - plan.pick.peak)
+    assert plan.sentence().startswith(f"Use {plan.pick.name}")
+    text, page = str(plan), plan._repr_html_()
+    assert all(r.name in text and r.name in page for r in plan.rows)
+    assert "too big by" in text
+    t4 = nbtrain.plan(mlp_train, devices=2, checkpointing=False, gpu="t4",
+                      bandwidth=1e9)
+    assert t4.pick.strategy == "ddp" and t4.usable == (GPUS["T4"] * 2**20 - CONTEXT) * 0.95
+    assert "comm ≥" in str(t4)
+
+
+def test_the_rehearsal_leaves_the_kernel_as_it_was():
+    torch.manual_seed(123)
+    random.seed(7)
+    before = (torch.random.get_rng_state(), random.getstate())
+    nbtrain.plan(mlp_train, devices=2, checkpointing=False, strategies=("ddp",))
+    assert torch.equal(torch.random.get_rng_state(), before[0])
+    assert random.getstate() == before[1]
+    assert not dist.is_initialized()  # no process group was made in the kernel
+    assert not torch.cuda.is_initialized()
+
+
+def test_what_a_plan_cannot_take_it_says():
+    with pytest.raises(ValueError, match="T4"):
+        nbtrain.plan(mlp_train, gpu="K80")
+    with pytest.raises(ValueError, match="2 or more"):
+        nbtrain.plan(mlp_train, devices=1)
+    with pytest.raises(ValueError, match="bytes per second"):
+        nbtrain.plan(mlp_train, bandwidth=0)
+
+    def no_setup(ctx):
+        return nn.Linear(2, 2)(torch.ones(2))
+
+    with pytest.raises(ValueError, match=r"ctx.setup\(model, optimizer\)"):
+        nbtrain.plan(no_setup)
+
+    def one_step(ctx):
+        model = nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = ctx.setup(model, opt)
+        model(torch.ones(1, 2, device=ctx.device)).sum().backward()
+        opt.step()
+
+    with pytest.raises(ValueError, match="second optimizer step"):
+        nbtrain.plan(one_step)
