@@ -21,6 +21,7 @@ kernel's): its gathers are counted from its units' sizes.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -190,39 +191,66 @@ def usable_bytes(gpu) -> tuple[str, float | None]:
     return name, (total - CONTEXT) * (1 - MARGIN)
 
 
-def plan(fn: Callable, *args, devices: int = 2, gpu: str | float | None = None,
-         strategies: tuple[str, ...] | None = None, checkpointing: bool = True,
-         bandwidth: float | None = None, seed: int | None = None, **kwargs) -> Plan:
+def plan(fn: Callable, *args, devices: int | str | list[int] = 2,
+         gpu: str | float | None = None, strategies: tuple[str, ...] | None = None,
+         checkpointing: bool = True, bandwidth: float | None = None,
+         accelerator: str = "auto", **kwargs) -> Plan:
     """Per rank, before any launch: the bytes of parameters, gradients, optimizer state,
     activations and a training step's peak under each strategy, which fit ``gpu`` (a
-    name such as ``"T4"``, bytes, or by default the visible GPU) and the one to use.
+    name such as ``"T4"``, bytes, or by default the visible GPU) and the one to use::
 
-    ``fn(ctx, *args, **kwargs)`` is the function ``launch()`` would run; it is rehearsed
-    on the meta device up to its second optimizer step (module docstring). ``devices``:
-    how many ranks. ``checkpointing``: also plan each strategy with activation
-    checkpointing of the model's blocks. ``bandwidth``: bytes/s a rank sends at (e.g.
-    from ``nbtrain.bandwidth``) gives the least time a step's communication takes."""
+        nbtrain.plan(train, devices=2, gpu="T4")
+
+    ``fn``, ``*args``, ``devices`` and ``**kwargs`` as ``launch()`` takes them (a strategy
+    option such as ``activation_checkpointing=`` applies to every strategy planned; the
+    run's own options, ``timeout=``, ``dashboard=``, ..., are taken and change nothing);
+    ``fn`` is rehearsed on the meta device up to its second optimizer step (module
+    docstring). ``strategies``: the names to plan (by default ``STRATEGIES``).
+    ``checkpointing``: also plan each with activation checkpointing of the model's
+    blocks. ``bandwidth``: the bytes/s a rank sends at (``nbtrain.bandwidth``'s bus
+    bandwidth, or a link's ceiling) gives the least time a step's communication takes."""
+    from .launch.calls import options_of
+    from .launch.start import RUN_OPTIONS
     from .launch.starting.devices import parse_devices
 
-    world_size = parse_devices(devices, "cpu").world_size
+    world_size = parse_devices(devices, accelerator).world_size
     if world_size < 2:
         raise ValueError(f"devices={devices!r}: a plan compares ways to share a model "
                          "among ranks; give 2 or more.")
-    if bandwidth is not None and not bandwidth > 0:
+    if bandwidth is not None and not (isinstance(bandwidth, (int, float)) and bandwidth > 0):
         raise ValueError(f"bandwidth={bandwidth!r} must be bytes per second, > 0.")
     device, usable = usable_bytes(gpu)
+    seed = kwargs.pop("seed", None) or 0
+    kwargs = {k: v for k, v in kwargs.items() if k not in RUN_OPTIONS}
     chosen = {name: get(name) for name in (strategies or STRATEGIES)}
-    traces = {False: rehearse(fn, args, kwargs, world_size, None, seed or 0)}
-    if checkpointing:
+    named = _parameters(fn)
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k not in named and any(
+        k in options_of(s) for s in chosen.values())}
+    if options.get("mixed_precision") or options.get("precision") not in (None, 32, "32",
+                                                                          "32-true"):
+        raise ValueError("nbtrain.plan rehearses fp32 steps; mixed precision is not planned "
+                         "yet (its activations are about half, its parameters the same). "
+                         "Plan without mixed_precision=.")
+    chosen = {name: get(name, **{k: v for k, v in options.items() if k in options_of(s)})
+              for name, s in chosen.items()}
+    given = options.get("activation_checkpointing")
+    traces = {bool(given): rehearse(fn, args, kwargs, world_size, given, seed)}
+    if checkpointing and not given:
         try:
-            traces[True] = rehearse(fn, args, kwargs, world_size, "auto", seed or 0)
+            traces[True] = rehearse(fn, args, kwargs, world_size, "auto", seed)
         except ValueError as err:
             if "block" not in str(err):  # a model without blocks to checkpoint: no rows
                 raise
     rows = tuple(_row(name, strategy, trace, world_size, ckpt, usable)
-                 for ckpt, trace in traces.items() for name, strategy in chosen.items()
-                 if not (ckpt and strategy.activation_checkpointing))
+                 for ckpt, trace in traces.items() for name, strategy in chosen.items())
     return Plan(rows, world_size, device, usable, bandwidth)
+
+
+def _parameters(fn: Callable) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 __all__ = ["GPUS", "Plan", "Row", "plan"]

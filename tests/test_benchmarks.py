@@ -36,6 +36,7 @@ SMALL = {
     "timeline.py": ("--repeats 1", "launch returned"),
     "evaluation.py": ("--repeats 1 --epochs 1", "steps counted: 64 of 64"),
     "rank_output.py": ("--repeats 1 --lines 200", "2 ranks"),
+    "plan_accuracy.py": ("--models cnn --batches 4", "farthest from 1"),
 }
 NEEDS = {"browser.py": "tests/browser/lab.py"}  # what a benchmark needs beyond the extras
 

@@ -152,3 +152,30 @@ def test_what_a_plan_cannot_take_it_says():
 
     with pytest.raises(ValueError, match="second optimizer step"):
         nbtrain.plan(one_step)
+
+
+def test_the_picker_marks_what_will_not_fit_before_run():
+    bare = nbtrain.plan(mlp_train, devices=2, checkpointing=False, strategies=("ddp", "fsdp"))
+    between = (bare.row("ddp").peak + bare.row("fsdp").peak) / 2
+    picker = nbtrain.StrategyPicker(mlp_train, devices=2, accelerator="cpu", display=False,
+                                    strategies_shown=["ddp", "fsdp"],
+                                    gpu=between / (1 - MARGIN) + CONTEXT)
+    labels = dict((value, label) for label, value in picker.dropdown.options)
+    assert "too big" in labels["ddp"] and "too big" not in labels["fsdp"]
+    picker.dropdown.value = "ddp"
+    assert "will not fit" in picker.description.value
+    picker.dropdown.value = "fsdp"
+    assert "fits" in picker.description.value and "will not" not in picker.description.value
+    assert "Use fsdp" in picker.message.value
+    plain = nbtrain.StrategyPicker(mlp_train, devices=2, accelerator="cpu", display=False)
+    assert plain.memory is None  # a CPU run and no gpu=: nothing to fit
+
+
+def test_the_picker_runs_what_it_cannot_plan():
+    def no_optimizer(ctx):
+        return ctx.setup(nn.Linear(2, 2))
+
+    picker = nbtrain.StrategyPicker(no_optimizer, devices=2, accelerator="cpu",
+                                    display=False, gpu="T4")
+    assert picker.memory is None and "No memory plan" in picker.message.value
+    assert "optimizer" in picker.message.value

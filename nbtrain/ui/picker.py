@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import strategies
 from ..cells import mark_shown, shown_here
+from ..units import format_bytes
 from .compare import Comparison
 from .header import twin_style
 
@@ -49,11 +50,14 @@ class StrategyPicker:
     the others are not). From code: ``picker.start("fsdp")``, ``picker.stop()``,
     ``picker.runs`` (every run started, in order), ``picker.run`` (the current or last).
     After a kernel restart its cell still shows its last run's charts and comparison.
+    ``gpu="T4"`` (a name, or bytes; on CUDA the visible GPU by default): before Run, each
+    strategy's planned peak per rank (``nbtrain.plan``), the ones that will not fit
+    marked, and why (``picker.memory``: the plan).
     """
 
     def __init__(self, fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = "auto",
                  strategies_shown: list[str] | None = None, display: bool = True,
-                 **kwargs: Any):
+                 gpu: str | float | None = None, **kwargs: Any):
         if not callable(fn):
             raise TypeError(f"StrategyPicker() takes the training function first; got "
                             f"{type(fn).__name__}.")
@@ -76,13 +80,17 @@ class StrategyPicker:
                              f"{self.not_offered}. Choose others from "
                              f"{strategies.names()}.")
         self.fn, self.args, self.kwargs, self.devices = fn, args, kwargs, devices
+        # nbtrain.plan()'s answer for the device (gpu=, or the visible GPU), else None
+        self.memory, planned = self._memory_plan(gpu, names)
         self.runs: list[Run] = []  # every run started here, in order
         self.run: Run | None = None  # the current (or last) one
         self.dashboard = None
         self._compared = threading.Event()  # set once the comparison shows the last run
         self._compared.set()
         self._descriptions = strategies.describe(aliases=True)
-        self.dropdown = widgets.Dropdown(options=names, value=names[0], description="strategy")
+        self.dropdown = widgets.Dropdown(
+            options=[(self._label(n), n) for n in names] if self.memory else names,
+            value=names[0], description="strategy")
         self.precision = widgets.Dropdown(options=PRECISIONS, value="fp32",
                                           description="precision")
         self.offload = widgets.Checkbox(value=False, description="offload to CPU", indent=False)
@@ -96,7 +104,7 @@ class StrategyPicker:
                                           icon="stop", disabled=True)
         self.description = widgets.HTML()
         self.unavailable = widgets.HTML(self._not_offered_html())
-        self.message = widgets.HTML()
+        self.message = widgets.HTML(planned)
         self.live = widgets.VBox([])
         self.comparison_title = widgets.HTML()  # shown with the first comparison
         self.comparison_text = widgets.HTML()
@@ -206,7 +214,47 @@ class StrategyPicker:
             self.offload.value = False
         self.precision.disabled = "mixed_precision" not in fields
         self.description.value = (f'<div style="font-size:13px;color:#444"><b>{html.escape(name)}'
-                                  f"</b>: {html.escape(self._descriptions.get(name, ''))}</div>")
+                                  f"</b>: {html.escape(self._descriptions.get(name, ''))}"
+                                  f"{self._planned(name)}</div>")
+
+    # -- the plan before Run (nbtrain.plan) -------------------------------------------------
+    def _memory_plan(self, gpu, names: list[str]):
+        """(the plan, a line saying it) when there is a device to fit: ``gpu=``, or the
+        GPU NVML sees when the picker runs on CUDA; (None, "") otherwise."""
+        from ..planner import plan, usable_bytes
+
+        if gpu is None and (self.plan.accelerator != "cuda" or usable_bytes(None)[1] is None):
+            return None, ""
+        try:
+            made = plan(self.fn, *self.args, devices=self.devices, gpu=gpu,
+                        strategies=tuple(names), checkpointing=False, **self.kwargs)
+        except Exception as err:  # the picker still runs what it cannot plan
+            return None, ('<div style="font-size:12px;color:#666">No memory plan: '
+                          f"{html.escape(type(err).__name__)}: {html.escape(str(err))}</div>")
+        return made, f'<div style="font-size:13px">{html.escape(made.sentence())}</div>'
+
+    def _row(self, name: str):
+        return next((r for r in self.memory.rows if r.strategy == name), None) \
+            if self.memory else None
+
+    def _label(self, name: str) -> str:
+        row = self._row(name)
+        if row is None:
+            return name
+        return f"{name} ({format_bytes(row.peak)}{'' if row.fits else ', too big'})"
+
+    def _planned(self, name: str) -> str:
+        row = self._row(name)
+        if row is None:
+            return ""
+        held = ", ".join(f"{k} {format_bytes(getattr(row, k))}" for k in
+                         ("params", "grads", "optimizer", "activations"))
+        verdict = (f"fits {self.memory.device} with {format_bytes(row.headroom)} to spare"
+                   if row.fits else f"will not fit {self.memory.device}: "
+                   f"{format_bytes(self.memory.usable)} usable")
+        color = "#444" if row.fits else "#b71c1c"
+        return (f'<br><span style="color:{color}">Planned per rank: {held}; peak '
+                f"{format_bytes(row.peak)}, {html.escape(verdict)}.</span>")
 
     def _no_offload(self, name: str) -> str | None:
         """Why ``name`` cannot offload on this accelerator, or None when it can."""
