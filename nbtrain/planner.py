@@ -89,6 +89,32 @@ class Plan:
                 return r
         raise KeyError(f"no row for {strategy!r}; the plan has {[r.name for r in self.rows]}")
 
+    def beside(self, run) -> str:
+        """What ``run`` (a finished launch of the planned function) measured per rank,
+        the fullest rank's, beside this plan's row for its strategy."""
+        strategy = run.strategy
+        row = self.row(strategy.name, bool(strategy.activation_checkpointing))
+        last = [events[-1].values for rank in sorted(run.rank_status)
+                if (events := list(run.history.events("memory", rank)))]
+        if not last:
+            return f"{row.name}: the run sent no memory events (telemetry off?)."
+        lines = [f"{row.name}, per rank: planned / measured"]
+        for key in ("params", "grads", "optimizer", "activations"):
+            got = max(v.get(key, 0) for v in last)
+            if key == "activations" and not got:
+                lines.append(f"  {key:12s} {format_bytes(row.activations)} / not measured "
+                             "(launch with telemetry=nbtrain.Telemetry(profile_memory=True))")
+                continue
+            ratio = f" ({getattr(row, key) / got:.3f})" if got else ""
+            lines.append(f"  {key:12s} {format_bytes(getattr(row, key))} / "
+                         f"{format_bytes(got)}{ratio}")
+        peaks = [e.values["cuda_peak"] for rank in sorted(run.rank_status)  # per step
+                 for e in run.history.events("memory", rank) if "cuda_peak" in e.values]
+        if peaks:
+            lines.append(f"  {'peak':12s} {format_bytes(row.peak)} / {format_bytes(max(peaks))} "
+                         f"({row.peak / max(peaks):.3f})")
+        return "\n".join(lines)
+
     def sentence(self) -> str:
         if self.usable is None:
             return (f"On {self.world_size} ranks, per rank: the least peak is "

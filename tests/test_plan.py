@@ -179,3 +179,20 @@ def test_the_picker_runs_what_it_cannot_plan():
                                     display=False, gpu="T4")
     assert picker.memory is None and "No memory plan" in picker.message.value
     assert "optimizer" in picker.message.value
+
+
+def test_a_run_and_its_comparison_put_the_plan_beside_what_was_measured():
+    plan = nbtrain.plan(mlp_train, devices=2, checkpointing=False, strategies=("ddp", "fsdp"))
+    runs = [nbtrain.launch(mlp_train, devices=2, accelerator="cpu", strategy=s, dashboard=False,
+                           telemetry=nbtrain.Telemetry(profile_memory=True, memory_every=1))
+            for s in ("ddp", "fsdp")]
+    text = plan.beside(runs[1])
+    assert text.startswith("fsdp, per rank: planned / measured")
+    assert "params" in text and "(1.000)" in text and "activations" in text
+    comparison = nbtrain.compare(*runs, plan=plan, display=False)
+    assert "plan/rank" in comparison.table()
+    for row in comparison.rows:
+        planned = plan.row(row.chosen.name)
+        assert row.theory["params"] == planned.params
+        assert row.theory["activations"] == planned.activations
+    assert "theory/rank" in nbtrain.compare(*runs, display=False).table()

@@ -144,7 +144,7 @@ def takeaway(rows: list[Row]) -> str:
 
 class Comparison:
     def __init__(self, runs: list[Run], n_params: int | None = None, optimizer: str = "adam",
-                 show_progress: bool = False):
+                 show_progress: bool = False, plan=None):
         for run in runs:
             if not hasattr(run, "history") or not hasattr(run, "strategy"):
                 raise TypeError(f"compare() takes runs from nbtrain.launch(); got "
@@ -162,6 +162,13 @@ class Comparison:
                     row.theory = theoretical_bytes(row.chosen, self.n_params,
                                                    row.world_size, optimizer=optimizer,
                                                    precision="fp32")
+        # nbtrain.plan()'s rows, where given, instead of the formulas (activations too)
+        self.beside = "plan" if plan is not None else "theory"
+        for row in self.rows if plan is not None else ():
+            planned = next((p for p in plan.rows if p.strategy == row.chosen.name and
+                            p.checkpointing == bool(row.chosen.activation_checkpointing)), None)
+            row.theory = None if planned is None else {
+                k: getattr(planned, k) for k in ("params", "grads", "optimizer", "activations")}
 
     def _rows(self, show_progress: bool = False) -> list[Row]:
         from .progress import Progress
@@ -213,7 +220,7 @@ class Comparison:
         host = any(r.host_bytes for r in self.rows)
         names = self.metric_names()
         header = ["strategy", "ranks", "model state/rank", *(["in host memory"] if host else []),
-                  "theory/rank", "step ms", "samples/s", "comm/step", "comm wait", *names]
+                  f"{self.beside}/rank", "step ms", "samples/s", "comm/step", "comm wait", *names]
         lines = [header]
         for r in self.rows:
             theory = sum(r.theory.values()) if r.theory else None
@@ -293,7 +300,7 @@ class Comparison:
         unit, size = unit_for(biggest)
         fig = make_subplots(rows=2, cols=3, specs=[[{"colspan": 3}, None, None], [{}, {}, {}]],
                             subplot_titles=[f"Memory per rank by category ({unit}): measured "
-                                            "vs theory", "Step time (ms)",
+                                            f"vs {self.beside}", "Step time (ms)",
                                             "Throughput (samples/s, all ranks)",
                                             "Communication per step (MB)"],
                             vertical_spacing=0.18, horizontal_spacing=0.08)
@@ -304,7 +311,7 @@ class Comparison:
                 bars.append(f"rank {rank}")
             if r.theory:
                 groups.append(r.label)
-                bars.append("theory")
+                bars.append(self.beside)
         for cat in MEASURED:
             ys = []
             for r in self.rows:
@@ -357,14 +364,15 @@ class Comparison:
 
 
 def compare(*runs: Run, n_params: int | None = None, optimizer: str = "adam",
-            display: bool = True) -> Comparison:
+            display: bool = True, plan=None) -> Comparison:
     """Compare finished runs: memory by category per rank beside theory, step time,
     throughput, communication per step, and a one-line takeaway.
 
     ``n_params``: the model's parameter count Ψ for the theory bars (default: derived
     from a DDP run's measured parameter bytes, else an FSDP run's). ``display=False``
     returns the ``Comparison`` without showing it (``.figure()``, ``.table()``,
-    ``.takeaway()``).
+    ``.takeaway()``). ``plan``: an ``nbtrain.plan()`` of the same function, whose rows
+    (activations too) go beside each run instead of the formulas.
     """
     if len(runs) == 1 and isinstance(runs[0], (list, tuple)):
         runs = tuple(runs[0])
@@ -375,7 +383,7 @@ def compare(*runs: Run, n_params: int | None = None, optimizer: str = "adam",
         raise ValueError(f"{len(unfinished)} run(s) are still going; compare finished runs "
                          "(call run.wait() first).")
     result = Comparison(list(runs), n_params=n_params, optimizer=optimizer,
-                        show_progress=display)
+                        show_progress=display, plan=plan)
     if display:
         try:
             from IPython import get_ipython
