@@ -17,13 +17,14 @@ from .planner import plan
 from .run import Run, last_run
 from .scaleout import torchrun as _torchrun  # noqa: F401  (launch() under torchrun)
 from .scaleout.listen import listen
+from .scaleout.ray import Ray
 from .scaleout.slurm import submit
 from .scaling import scaling
 from .telemetry.settings import Telemetry
 from .ui import StrategyPicker, compare, progress
 from .ui import preload as _preload_chart
 
-__all__ = ["Context", "RankPool", "Run", "RunStoppedError", "RunTimeoutError",
+__all__ = ["Context", "RankPool", "Ray", "Run", "RunStoppedError", "RunTimeoutError",
            "StrategyPicker", "Telemetry", "WorkerError", "bandwidth", "compare", "last_run",
            "launch", "plan", "scaling",
            "listen", "progress", "strategies", "checkpoint", "submit"]

@@ -38,6 +38,7 @@ from ..run import Run
 from ..telemetry.settings import Telemetry
 from ..wire import encode_result
 from .listen import Job, RemoteFailure, Watch
+from .ray import Ray, submit_ray
 from .torchrun import ATTACH_ENV, RUN_ID_ENV
 
 __all__ = ["submit"]
@@ -57,14 +58,26 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
            strategy: str = "ddp", accelerator: str = "auto", slurm: dict | None = None,
            folder: str | os.PathLike = "nbtrain-jobs", listen_host: str = "0.0.0.0",
            dashboard: bool | str = "auto", telemetry: bool | Telemetry = True,
-           seed: int | None = None, **kwargs: Any) -> Run:
+           seed: int | None = None, engine: Ray | None = None, **kwargs: Any) -> Run:
     """Submit ``fn(ctx, *args, **kwargs)`` to SLURM as ``nodes`` x ``devices`` ranks and
     return its ``Run`` at once (``run.wait()`` blocks). Names mean what ``launch()``'s do;
     ``devices`` counts per node. ``slurm``: sbatch options by name (``partition``,
     ``time`` as minutes or ``"HH:MM:SS"``, ``account``, ``mem``, ``setup`` (shell lines run
     first, e.g. ``["module load cuda"]``), ...; others go to sbatch as they are).
     ``accelerator="auto"``: one GPU per rank where ``gpus_per_node`` is asked for, else CPU
-    ranks (gloo). See the module docstring for what must hold on the cluster."""
+    ranks (gloo). See the module docstring for what must hold on the cluster.
+    ``engine=nbtrain.Ray(address)``: on a Ray cluster instead, ``nodes`` x ``devices``
+    ranks placed by Ray (``scaleout/ray.py``)."""
+    if engine is not None:
+        if not isinstance(engine, Ray):
+            raise TypeError(f"engine={engine!r}: give nbtrain.Ray(address), or leave it out "
+                            "for SLURM.")
+        for name, value in (("nodes", nodes), ("devices", devices)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}: give a positive number.")
+        return submit_ray(engine, fn, args, kwargs, ranks=nodes * devices, strategy=strategy,
+                          accelerator=accelerator, telemetry=telemetry, dashboard=dashboard,
+                          seed=seed)
     try:
         import submitit
     except ImportError:

@@ -1,0 +1,320 @@
+"""``nbtrain.submit(train, devices=N, engine=nbtrain.Ray(address))``: the notebook's function
+on a Ray cluster's workers, watched live from the notebook.
+
+    run = nbtrain.submit(train, devices=4, engine=nbtrain.Ray("auto"), strategy="fsdp")
+    run.wait()        # every rank's results, as launch() gives them
+    run.stop()        # every rank's actor killed, the placement group removed
+
+One Ray actor per rank, placed by a placement group of one bundle a rank (``SPREAD`` over
+the nodes by default; ``STRICT_SPREAD`` for a rank per node, ``PACK`` to fill a node
+first); a GPU rank's bundle holds one GPU, which Ray makes the actor's only visible one.
+Each actor runs the function as torchrun's ranks run it (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR`` of rank 0's node...: ``launch()`` sees them and runs the function in that
+process, ``ctx``, strategies and checkpoints unchanged), and streams its events to a
+listener this call opens, so the run's dashboard is live in the cell; rank 0 returns
+every rank's results (gathered), as a SLURM job's does.
+
+Why Ray's core (actors, a placement group) and not Ray Train's ``TorchTrainer``: the
+process group, the strategies, checkpoints and the per-rank view are nbtrain's rank side
+already, as under torchrun; Ray Train would set up a second process group and its own
+controller (its trivial fit took 26 s on 2 cores). What this asks of the cluster: the
+notebook's machine joins it (``address`` a cluster's GCS address, ``"auto"``, or None for
+one started here) and its workers reach ``listen_host`` (the kernel's listener). Not yet:
+a cluster the notebook only reaches through Ray Client or Ray Jobs (a relay actor the
+ranks push to), and restarts after a node is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+import threading
+import traceback
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ..deviceplan import DevicePlan
+from ..launch import start
+from ..launch.starting.spawn import serialize
+from ..outcome import Reported, Teardown
+from ..run import Run
+from ..telemetry.settings import Telemetry
+from ..wire import encode_result
+from .listen import Job, RemoteFailure, Watch
+from .torchrun import ATTACH_ENV, RUN_ID_ENV
+
+INSTALL = 'pip install "nbtrain[ray]"'
+PLACEMENTS = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
+POLL_S = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Ray:
+    """Where ``submit`` runs the ranks: a Ray cluster.
+
+    ``address``: the cluster's (``"auto"``, ``"10.0.0.5:6379"``), or None: the one this
+    process is connected to, else one started here. ``placement``: the placement group's
+    strategy. ``cpus_per_rank``: the CPUs each rank's bundle holds. ``listen_host``: the
+    address the workers reach this kernel at (default: this node's address in Ray)."""
+
+    address: str | None = None
+    placement: str = "SPREAD"
+    cpus_per_rank: float = 1.0
+    listen_host: str | None = None
+    start_timeout: float = 60.0  # seconds to place every rank
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"Ray(placement={self.placement!r}): one of {', '.join(PLACEMENTS)}.")
+        if not self.cpus_per_rank > 0:
+            raise ValueError(f"Ray(cpus_per_rank={self.cpus_per_rank!r}) must be > 0.")
+
+
+def submit_ray(engine: Ray, fn: Callable[..., Any], args: tuple, kwargs: dict, *,
+               ranks: int, strategy, accelerator: str, telemetry, dashboard, seed) -> Run:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ImportError(f"nbtrain.submit(engine=nbtrain.Ray(...)) needs Ray: {INSTALL}") \
+            from None
+    if accelerator not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"accelerator={accelerator!r}: use 'auto', 'cuda' or 'cpu'.")
+    request = start.check("submit()", fn, args, kwargs, strategy=strategy, telemetry=telemetry,
+                          dashboard=dashboard, seed=seed, background=True)
+    cluster = _connect(engine)
+    if accelerator == "auto":
+        accelerator = "cuda" if cluster.get("GPU", 0) >= ranks else "cpu"
+    need = {"CPU": engine.cpus_per_rank * ranks, **({"GPU": ranks} if accelerator == "cuda"
+                                                    else {})}
+    short = {k: (v, cluster.get(k, 0)) for k, v in need.items() if cluster.get(k, 0) < v}
+    if short:
+        said = ", ".join(f"{v:g} {k} (it has {have:g})" for k, (v, have) in short.items())
+        raise ValueError(f"the Ray cluster cannot hold {ranks} ranks: they need {said}. Give "
+                         "fewer devices, Ray(cpus_per_rank=...) smaller, or add nodes.")
+    plan = DevicePlan(accelerator, tuple(range(ranks)))
+    return start.execute(request, plan, _RayLaunch(engine, seed))
+
+
+def _connect(engine: Ray) -> dict:
+    """Join the cluster (once per process) and say what it holds."""
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources()
+    address = engine.address
+    if address not in (None, "auto", "local"):  # Ray retries an address that never
+        host, _, port = address.removeprefix("ray://").rpartition(":")  # answers a minute
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+        except (OSError, ValueError) as err:
+            raise ConnectionError(
+                f"nbtrain.Ray({address!r}): no Ray cluster answers there ({err}). Start one "
+                "(ray start --head) and give its address, e.g. Ray('10.0.0.5:6379'), or "
+                "Ray() for one on this machine.") from None
+    ray.init(address=address, namespace="nbtrain", log_to_driver=False,
+             include_dashboard=False, configure_logging=False)
+    return ray.cluster_resources()
+
+
+class _RayLaunch:
+    """``submit``'s Ray backend on the one start path: actors in a placement group, each
+    running the function as a torchrun rank; a ``_RayJob`` follows them."""
+
+    started_by = "ray"
+    stop_timeout = 10.0
+    blocking = False
+    returns_run = True
+
+    def __init__(self, engine: Ray, seed: int | None):
+        self.engine, self.seed = engine, seed
+        self.payload: bytes | None = None
+
+    def prepare(self, request: start.Request, plan: DevicePlan) -> start.Request:
+        self.payload = serialize(request.fn, request.args, request.kwargs, request.strategy,
+                                 "a Ray worker", "or define what it needs inside the function")
+        return dataclasses.replace(request, base_seed=self.seed)
+
+    def start(self, request: start.Request, plan: DevicePlan, run: Run):
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        gpus = 1 if plan.accelerator == "cuda" else 0
+        bundle = {"CPU": self.engine.cpus_per_rank, **({"GPU": 1} if gpus else {})}
+        group = placement_group([bundle] * plan.world_size, strategy=self.engine.placement)
+        try:
+            ray.get(group.ready(), timeout=self.engine.start_timeout)
+        except Exception:
+            remove_placement_group(group)
+            raise TimeoutError(
+                f"Ray could not place {plan.world_size} ranks of {bundle} "
+                f"({self.engine.placement}) within {self.engine.start_timeout:g} s: the "
+                "cluster is busy or too small for that placement.") from None
+        actor = ray.remote(_Rank)
+        actors = [actor.options(num_cpus=self.engine.cpus_per_rank, num_gpus=gpus,
+                                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                    group, placement_group_bundle_index=i)).remote()
+                  for i in range(plan.world_size)]
+        job = _RayJob(run, actors, group)
+        try:
+            where = ray.get([a.where.remote() for a in actors])
+            settings = request.telemetry
+            watch = None
+            if settings.enabled:
+                host = self.engine.listen_host or ray.util.get_node_ip_address()
+                watch = Watch(host, 0, dashboard=False)
+            run_id = uuid.uuid4().hex[:12]
+            master, port = where[0][1], where[0][2]
+            refs = []
+            for rank, (node, _, _) in enumerate(where):
+                peers = [i for i, w in enumerate(where) if w[0] == node]
+                environ = {"RANK": str(rank), "WORLD_SIZE": str(plan.world_size),
+                           "LOCAL_RANK": "0" if gpus else str(peers.index(rank)),
+                           "LOCAL_WORLD_SIZE": "1" if gpus else str(len(peers)),
+                           "MASTER_ADDR": master, "MASTER_PORT": str(port),
+                           RUN_ID_ENV: run_id}
+                if watch is not None:
+                    environ[ATTACH_ENV] = watch.address
+                refs.append(actors[rank].run.remote(self.payload, plan.accelerator, settings,
+                                                    self.seed, environ, list(sys.path)))
+        except BaseException:
+            job.release()
+            raise
+        job.follow(refs, watch)
+        if watch is not None:
+            watch.expect(run_id, job)
+        run.remote = {"ray": ray.get_runtime_context().gcs_address,
+                      "nodes": [w[0] for w in where]}  # each rank's node
+        return job, [job.release] + ([watch.close] if watch is not None else [])
+
+    def abandon(self) -> None:
+        pass
+
+
+class _Rank:
+    """One rank, in a Ray worker process."""
+
+    def where(self) -> tuple[str, str, int]:
+        """(its node's id, its address, a free port there: rank 0's is the store's)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        context = ray.get_runtime_context()
+        return context.get_node_id(), ray.util.get_node_ip_address(), port
+
+    def run(self, payload: bytes, accelerator: str, settings: Telemetry, seed: int | None,
+            environ: dict[str, str], path: list[str]):
+        """``launch()`` as this rank; rank 0 returns every rank's results. A failure comes
+        back as (type, message, traceback), not as Ray's wrapping of it. The kernel's
+        import path, where this node has its folders, is searched after the worker's own:
+        the modules the function names by reference load here as there."""
+        import dill
+
+        from ..launch import launch
+
+        os.environ.update(environ)
+        sys.path.extend(p for p in path if p not in sys.path and os.path.isdir(p or "."))
+        try:
+            fn, args, kwargs, strategy = dill.loads(payload)
+            run = launch(fn, *args, strategy=strategy, accelerator=accelerator,
+                         telemetry=settings, seed=seed, dashboard=False, **kwargs)
+            return ("ok", None if run is None else run.results)
+        except BaseException as err:
+            return ("failed", type(err).__name__, str(err)[:2000], traceback.format_exc())
+
+
+class _RayJob(Job):
+    """The ranks' actors as ``Run`` reads a supervisor: events through the listener,
+    results and failures from the actors' calls."""
+
+    teardown_cause = None
+    note = None
+
+    def __init__(self, run: Run, actors: list, group):
+        super().__init__(run)
+        self.actors, self.group = actors, group
+        self.workers = {rank: Reported() for rank in range(len(actors))}
+        self._refs: list = []
+        self._released = False
+        self._thread = threading.Thread(target=self._poll, name="nbtrain-ray", daemon=True)
+
+    def follow(self, refs: list, watch) -> None:
+        self._refs = refs
+
+    def start(self) -> None:
+        if self._thread.ident is None:
+            self._thread.start()
+
+    def unlink(self) -> None:
+        """A rank's connection closed: its actor's call still decides when the run ends."""
+        with self._lock:
+            self._open -= 1
+
+    def request_stop(self, reason: str) -> None:
+        if self.done.is_set():
+            return
+        self.teardown_cause = Teardown.STOP
+        self.release()
+
+    def release(self) -> None:
+        """Kill every rank's actor and remove the placement group: nothing stays on the
+        cluster."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        try:
+            remove_placement_group(self.group)
+        except Exception:
+            pass
+
+    def _poll(self) -> None:
+        import ray
+
+        try:
+            pending = {ref: rank for rank, ref in enumerate(self._refs)}
+            while pending and self.teardown_cause is not Teardown.STOP:
+                ready, _ = ray.wait(list(pending), timeout=POLL_S)
+                for ref in ready:
+                    self._take(pending.pop(ref), ref)
+                if self.failure is not None:
+                    break  # the others wait on the failed rank's collectives: end them
+        except BaseException as err:  # never leave the run waiting
+            self.crash = err
+        finally:
+            self.release()
+            self.done.set()
+
+    def _take(self, rank: int, ref) -> None:
+        import ray
+
+        try:
+            answer = ray.get(ref)
+        except Exception as err:  # the actor died: killed, out of memory, its node lost
+            answer = ("failed", type(err).__name__, str(err).splitlines()[0][:500], str(err))
+        if answer[0] == "ok":
+            if rank == 0 and answer[1] is not None:
+                for r, result in enumerate(answer[1]):
+                    self.workers[r].result = encode_result(result, r)
+            return
+        _, exc_type, message, text = answer
+        if self.failure is None:
+            self.failure = RemoteFailure(rank, exc_type, message, text)
+        self.workers[rank].failure = self.failure if self.failure.rank == rank else \
+            RemoteFailure(rank, exc_type, message, "", secondary=True)
+
+
+__all__ = ["Ray"]

@@ -1,0 +1,154 @@
+"""``nbtrain.submit(engine=nbtrain.Ray(...))`` on a real Ray cluster of two nodes on this
+machine (``ray.cluster_utils.Cluster``, one CPU each, small object stores; one cluster
+for the module): ranks placed one per node train to the weights ``launch(devices=2)``
+gives under ddp and fsdp while their events reach the run; a failing rank fails the run
+with its traceback; a stop ends every rank; a bad address or a request the cluster
+cannot hold fails at submit; nothing stays on the cluster or on this machine."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from conftest import descendants
+from torch import nn
+
+import nbtrain
+
+ray = pytest.importorskip("ray")
+MB = 2**20
+
+
+def train(ctx, fail_on: int | None = None, sleep: float = 0.0):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ctx.setup(model, opt)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g),
+                                          torch.randint(0, 2, (64,), generator=g))
+    for _ in range(200 if sleep else 1):
+        for x, y in ctx.dataloader(data, batch_size=4):
+            if ctx.rank == fail_on:
+                raise ValueError("bad batch on purpose")
+            loss = nn.functional.cross_entropy(model(x), y)
+            ctx.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            ctx.log(loss=loss)
+            time.sleep(sleep)
+    state = ctx.full_state_dict(model)
+    return {k: v.clone() for k, v in state.items()} if ctx.rank == 0 else ctx.rank
+
+
+def test_a_bad_address_fails_at_submit_at_once():
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match="no Ray cluster answers"):
+        nbtrain.submit(train, devices=2, engine=nbtrain.Ray("127.0.0.1:1"))
+    assert time.monotonic() - started < 15  # not Ray's minute of retries
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    before = {p.pid for p in descendants(os.getpid())}
+    nodes = Cluster(initialize_head=True,
+                    head_node_args={"num_cpus": 1, "object_store_memory": 80 * MB})
+    nodes.add_node(num_cpus=1, object_store_memory=80 * MB)
+    ray.init(address=nodes.address, include_dashboard=False, log_to_driver=False)
+    try:
+        yield nodes
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+        deadline = time.monotonic() + 15
+        while (left := [p for p in descendants(os.getpid()) if p.pid not in before]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for p in left:
+            p.kill()
+        assert not left, f"the Ray cluster left processes: {[p.pid for p in left]}"
+
+
+def alive_ranks() -> list:
+    """The rank actors the cluster's control store still has alive (read from it, as the
+    state API would, without Ray's dashboard)."""
+    actors = ray._private.state.actors()
+    return [a for a in actors.values()
+            if a["ActorClassName"] == "_Rank" and a["State"] != "DEAD"]
+
+
+def gone(timeout: float = 15.0) -> bool:
+    """No rank's actor alive and no placement group left on the cluster."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        groups = [g for g in ray.util.placement_group_table().values()
+                  if g["state"] != "REMOVED"]
+        if not alive_ranks() and not groups:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_on_two_nodes_train_as_launch_does(cluster, strategy):
+    run = nbtrain.submit(train, devices=2, strategy=strategy, dashboard=False,
+                         engine=nbtrain.Ray(placement="STRICT_SPREAD"))
+    run.wait(timeout=180)
+    assert run.status == "done"
+    assert len(set(run.remote["nodes"])) == 2  # a rank on each node
+    local = nbtrain.launch(train, devices=2, accelerator="cpu", strategy=strategy,
+                           dashboard=False)
+    for name, value in local.results[0].items():
+        assert torch.allclose(run.results[0][name], value, atol=1e-6), name
+    assert run.results[1] == 1
+    for rank in (0, 1):  # every rank's steps reached the run live
+        assert len(list(run.history.events("step", rank))) == 8
+    assert gone()
+
+
+def test_a_failing_rank_fails_the_run_with_its_traceback(cluster):
+    run = nbtrain.submit(train, 1, devices=2, dashboard=False, engine=nbtrain.Ray())
+    with pytest.raises(nbtrain.WorkerError) as info:
+        run.wait(timeout=180)
+    assert info.value.rank == 1 and "bad batch on purpose" in str(info.value)
+    assert "train" in info.value.traceback
+    assert run.status == "failed"
+    assert gone()
+
+
+def test_stop_ends_every_rank_and_leaves_nothing(cluster):
+    run = nbtrain.submit(train, sleep=0.05, devices=2, dashboard=False, engine=nbtrain.Ray())
+    deadline = time.monotonic() + 120
+    while not list(run.history.events("step", 1)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert list(run.history.events("step", 1)), "the ranks never started training"
+    asked = time.monotonic()
+    run.stop()
+    while not run.done and time.monotonic() - asked < 30:
+        time.sleep(0.1)
+    assert run.done and run.status == "stopped"
+    assert gone(timeout=10)
+    assert time.monotonic() - asked < 20
+
+
+def test_a_request_the_cluster_cannot_hold_fails_at_submit(cluster):
+    with pytest.raises(ValueError, match="cannot hold 3 ranks"):
+        nbtrain.submit(train, devices=3, engine=nbtrain.Ray(), dashboard=False)
+    with pytest.raises(TypeError, match="nbtrain.Ray"):
+        nbtrain.submit(train, devices=2, engine="ray")
+    with pytest.raises(ValueError, match="placement"):
+        nbtrain.Ray(placement="ANYWHERE")
+
+
+def test_importing_nbtrain_imports_no_ray():
+    import subprocess
+    import sys
+
+    code = "import sys, nbtrain; nbtrain.Ray(); print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "False"  # Ray (the nbtrain[ray] extra) loads at submit
