@@ -19,9 +19,11 @@ process group, the strategies, checkpoints and the per-rank view are nbtrain's r
 already, as under torchrun; Ray Train would set up a second process group and its own
 controller (its trivial fit took 26 s on 2 cores). What this asks of the cluster: the
 notebook's machine joins it (``address`` a cluster's GCS address, ``"auto"``, or None for
-one started here) and its workers reach ``listen_host`` (the kernel's listener). Not yet:
-a cluster the notebook only reaches through Ray Client or Ray Jobs (a relay actor the
-ranks push to), and restarts after a node is lost.
+one started here) and its workers reach ``listen_host`` (the kernel's listener). A worker
+or a node lost mid-run is an ending ``max_restarts`` restarts from the last checkpoint
+(on storage every node sees), new actors placed where the cluster has room. Not yet: a
+cluster the notebook only reaches through Ray Client or Ray Jobs (a relay actor the ranks
+push to).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Callable
@@ -38,8 +41,9 @@ from typing import Any
 
 from ..deviceplan import DevicePlan
 from ..launch import start
+from ..launch.following.failures import communication_error
 from ..launch.starting.spawn import serialize
-from ..outcome import Reported, Teardown
+from ..outcome import Ending, Reported, Teardown
 from ..run import Run
 from ..telemetry.settings import Telemetry
 from ..wire import encode_result
@@ -74,7 +78,8 @@ class Ray:
 
 
 def submit_ray(engine: Ray, fn: Callable[..., Any], args: tuple, kwargs: dict, *,
-               ranks: int, strategy, accelerator: str, telemetry, dashboard, seed) -> Run:
+               ranks: int, strategy, accelerator: str, telemetry, dashboard, seed,
+               max_restarts: int = 0) -> Run:
     try:
         import ray  # noqa: F401
     except ImportError:
@@ -83,7 +88,8 @@ def submit_ray(engine: Ray, fn: Callable[..., Any], args: tuple, kwargs: dict, *
     if accelerator not in ("auto", "cpu", "cuda"):
         raise ValueError(f"accelerator={accelerator!r}: use 'auto', 'cuda' or 'cpu'.")
     request = start.check("submit()", fn, args, kwargs, strategy=strategy, telemetry=telemetry,
-                          dashboard=dashboard, seed=seed, background=True)
+                          dashboard=dashboard, seed=seed, background=True,
+                          max_restarts=max_restarts)
     cluster = _connect(engine)
     if accelerator == "auto":
         accelerator = "cuda" if cluster.get("GPU", 0) >= ranks else "cpu"
@@ -179,7 +185,8 @@ class _RayLaunch:
                 if watch is not None:
                     environ[ATTACH_ENV] = watch.address
                 refs.append(actors[rank].run.remote(self.payload, plan.accelerator, settings,
-                                                    self.seed, environ, list(sys.path)))
+                                                    self.seed, environ, list(sys.path),
+                                                    request.resume))
         except BaseException:
             job.release()
             raise
@@ -189,6 +196,11 @@ class _RayLaunch:
         run.remote = {"ray": ray.get_runtime_context().gcs_address,
                       "nodes": [w[0] for w in where]}  # each rank's node
         return job, [job.release] + ([watch.close] if watch is not None else [])
+
+    def again(self) -> _RayLaunch:
+        """The next attempt's (``max_restarts``): new actors, placed anew (a lost node's
+        ranks go where the cluster has room)."""
+        return _RayLaunch(self.engine, self.seed)
 
     def abandon(self) -> None:
         pass
@@ -208,7 +220,7 @@ class _Rank:
         return context.get_node_id(), ray.util.get_node_ip_address(), port
 
     def run(self, payload: bytes, accelerator: str, settings: Telemetry, seed: int | None,
-            environ: dict[str, str], path: list[str]):
+            environ: dict[str, str], path: list[str], resume: str | None = None):
         """``launch()`` as this rank; rank 0 returns every rank's results. A failure comes
         back as (type, message, traceback), not as Ray's wrapping of it. The kernel's
         import path, where this node has its folders, is searched after the worker's own:
@@ -222,7 +234,8 @@ class _Rank:
         try:
             fn, args, kwargs, strategy = dill.loads(payload)
             run = launch(fn, *args, strategy=strategy, accelerator=accelerator,
-                         telemetry=settings, seed=seed, dashboard=False, **kwargs)
+                         telemetry=settings, seed=seed, dashboard=False, resume=resume,
+                         **kwargs)
             return ("ok", None if run is None else run.results)
         except BaseException as err:
             return ("failed", type(err).__name__, str(err)[:2000], traceback.format_exc())
@@ -286,12 +299,17 @@ class _RayJob(Job):
 
         try:
             pending = {ref: rank for rank, ref in enumerate(self._refs)}
+            first_failed = None
             while pending and self.teardown_cause is not Teardown.STOP:
                 ready, _ = ray.wait(list(pending), timeout=POLL_S)
                 for ref in ready:
                     self._take(pending.pop(ref), ref)
                 if self.failure is not None:
-                    break  # the others wait on the failed rank's collectives: end them
+                    first_failed = first_failed or time.monotonic()
+                    # the others wait on the failed rank's collectives: end them (a peer's
+                    # communication error first: the rank that caused it has a moment)
+                    if not self.failure.secondary or time.monotonic() - first_failed > 3:
+                        break
         except BaseException as err:  # never leave the run waiting
             self.crash = err
         finally:
@@ -304,17 +322,27 @@ class _RayJob(Job):
         try:
             answer = ray.get(ref)
         except Exception as err:  # the actor died: killed, out of memory, its node lost
-            answer = ("failed", type(err).__name__, str(err).splitlines()[0][:500], str(err))
+            line = (str(err).strip().splitlines() or [""])[0][:500]
+            died = RemoteFailure(rank, type(err).__name__, f"rank {rank}'s Ray worker died: "
+                                 f"{line}", str(err)[-20_000:], ending=Ending.KILLED,
+                                 hint="A worker or its node was lost; max_restarts= "
+                                      "starts the ranks again from the last checkpoint.")
+            if self.failure is None or self.failure.secondary:
+                self.failure = died
+            self.workers[rank].failure = died
+            return
         if answer[0] == "ok":
             if rank == 0 and answer[1] is not None:
                 for r, result in enumerate(answer[1]):
                     self.workers[r].result = encode_result(result, r)
             return
         _, exc_type, message, text = answer
-        if self.failure is None:
-            self.failure = RemoteFailure(rank, exc_type, message, text)
-        self.workers[rank].failure = self.failure if self.failure.rank == rank else \
-            RemoteFailure(rank, exc_type, message, "", secondary=True)
+        comm = communication_error(f"{exc_type}: {message}\n{text}")
+        failure = RemoteFailure(rank, exc_type, message, text, secondary=comm,
+                                ending=Ending.COMMUNICATION if comm else Ending.RAISED)
+        if self.failure is None or (self.failure.secondary and not comm):
+            self.failure = failure
+        self.workers[rank].failure = failure
 
 
 __all__ = ["Ray"]

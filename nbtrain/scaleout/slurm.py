@@ -58,7 +58,8 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
            strategy: str = "ddp", accelerator: str = "auto", slurm: dict | None = None,
            folder: str | os.PathLike = "nbtrain-jobs", listen_host: str = "0.0.0.0",
            dashboard: bool | str = "auto", telemetry: bool | Telemetry = True,
-           seed: int | None = None, engine: Ray | None = None, **kwargs: Any) -> Run:
+           seed: int | None = None, engine: Ray | None = None, max_restarts: int = 0,
+           **kwargs: Any) -> Run:
     """Submit ``fn(ctx, *args, **kwargs)`` to SLURM as ``nodes`` x ``devices`` ranks and
     return its ``Run`` at once (``run.wait()`` blocks). Names mean what ``launch()``'s do;
     ``devices`` counts per node. ``slurm``: sbatch options by name (``partition``,
@@ -67,7 +68,8 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
     ``accelerator="auto"``: one GPU per rank where ``gpus_per_node`` is asked for, else CPU
     ranks (gloo). See the module docstring for what must hold on the cluster.
     ``engine=nbtrain.Ray(address)``: on a Ray cluster instead, ``nodes`` x ``devices``
-    ranks placed by Ray (``scaleout/ray.py``)."""
+    ranks placed by Ray (``scaleout/ray.py``), where ``max_restarts`` starts them again
+    from the last checkpoint after a worker or a node is lost (as ``launch()``'s)."""
     if engine is not None:
         if not isinstance(engine, Ray):
             raise TypeError(f"engine={engine!r}: give nbtrain.Ray(address), or leave it out "
@@ -77,7 +79,7 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
                 raise ValueError(f"{name}={value!r}: give a positive number.")
         return submit_ray(engine, fn, args, kwargs, ranks=nodes * devices, strategy=strategy,
                           accelerator=accelerator, telemetry=telemetry, dashboard=dashboard,
-                          seed=seed)
+                          seed=seed, max_restarts=max_restarts)
     try:
         import submitit
     except ImportError:
@@ -88,7 +90,8 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
                              f"{'nodes' if name == 'nodes' else 'ranks per node'}.")
     request = start.check("submit()", fn, args, kwargs, strategy=strategy,
                           telemetry=telemetry, dashboard=dashboard, seed=seed,
-                          background=True)  # it returns at once: run.wait() blocks
+                          background=True,  # it returns at once: run.wait() blocks
+                          max_restarts=max_restarts)  # refused: SLURM requeues, not nbtrain
     params = _sbatch_params(dict(slurm or {}))
     if accelerator == "auto":
         accelerator = "cuda" if params.get("gpus_per_node") else "cpu"

@@ -40,11 +40,17 @@ class Failure:
 CRASHES = ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE")
 
 
+def communication_error(text: str) -> bool:
+    """An exception's text says a collective or the store failed (a peer gone): what
+    follows another rank's failure, not a failure of its own."""
+    return bool(_COMM_ERROR.search(text))
+
+
 def reported_failure(rank: int, body: RankFailure, interrupted: bool) -> Failure:
     """The exception a rank reported; ``interrupted``: nbtrain interrupted the rank."""
     text = f"{body.type}: {body.message}\n{body.traceback}"
     interrupt = interrupted and body.type == "KeyboardInterrupt"
-    comm = bool(_COMM_ERROR.search(text))
+    comm = communication_error(text)
     ending = (Ending.INTERRUPTED if interrupt
               else Ending.MISMATCH if COLLECTIVE_MISMATCH.search(body.message)
               else Ending.COMMUNICATION if comm else Ending.RAISED)
