@@ -30,7 +30,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..cells import cell_parent
-from ..outcome import Ending, Teardown
+from ..outcome import Ending, Reported, Teardown
 from ..run import Run
 from ..telemetry.channel import TelemetryServer, format_address
 from ..telemetry.events import Event, Lifecycle
@@ -98,6 +98,30 @@ class Job:
     def request_stop(self, reason: str) -> None:
         """``run.stop()`` on a watched run stops watching it; the job goes on."""
         self.done.set()
+
+
+class PolledJob(Job):
+    """A job nbtrain submitted (SLURM's, Ray's): ``world_size`` ranks whose events arrive
+    through the listener, but whose end, results and failures its own thread (``_poll``,
+    the engine's) reads from the engine; a rank's connection closing decides nothing."""
+
+    teardown_cause = None
+
+    def __init__(self, run: Run, world_size: int, name: str):
+        super().__init__(run)
+        self.workers = {rank: Reported() for rank in range(world_size)}
+        self._thread = threading.Thread(target=self._poll, name=name, daemon=True)
+
+    def start(self) -> None:
+        if self._thread.ident is None:
+            self._thread.start()
+
+    def unlink(self) -> None:
+        with self._lock:
+            self._open -= 1
+
+    def _poll(self) -> None:
+        raise NotImplementedError
 
 
 class _Link:

@@ -32,7 +32,6 @@ import dataclasses
 import os
 import socket
 import sys
-import threading
 import time
 import traceback
 import uuid
@@ -43,11 +42,11 @@ from ..deviceplan import DevicePlan
 from ..launch import start
 from ..launch.following.failures import communication_error
 from ..launch.starting.spawn import serialize
-from ..outcome import Ending, Reported, Teardown
+from ..outcome import Ending, Teardown
 from ..run import Run
 from ..telemetry.settings import Telemetry
 from ..wire import encode_result
-from .listen import Job, RemoteFailure, Watch
+from .listen import PolledJob, RemoteFailure, Watch
 from .torchrun import ATTACH_ENV, RUN_ID_ENV
 
 INSTALL = 'pip install "nbtrain[ray]"'
@@ -241,32 +240,18 @@ class _Rank:
             return ("failed", type(err).__name__, str(err)[:2000], traceback.format_exc())
 
 
-class _RayJob(Job):
+class _RayJob(PolledJob):
     """The ranks' actors as ``Run`` reads a supervisor: events through the listener,
     results and failures from the actors' calls."""
 
-    teardown_cause = None
-    note = None
-
     def __init__(self, run: Run, actors: list, group):
-        super().__init__(run)
+        super().__init__(run, len(actors), "nbtrain-ray")
         self.actors, self.group = actors, group
-        self.workers = {rank: Reported() for rank in range(len(actors))}
         self._refs: list = []
         self._released = False
-        self._thread = threading.Thread(target=self._poll, name="nbtrain-ray", daemon=True)
 
     def follow(self, refs: list, watch) -> None:
         self._refs = refs
-
-    def start(self) -> None:
-        if self._thread.ident is None:
-            self._thread.start()
-
-    def unlink(self) -> None:
-        """A rank's connection closed: its actor's call still decides when the run ends."""
-        with self._lock:
-            self._open -= 1
 
     def request_stop(self, reason: str) -> None:
         if self.done.is_set():

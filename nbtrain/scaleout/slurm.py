@@ -24,7 +24,6 @@ import dataclasses
 import os
 import re
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -33,11 +32,11 @@ from typing import Any
 from ..deviceplan import DevicePlan
 from ..launch import start
 from ..launch.starting.spawn import serialize
-from ..outcome import Reported, Teardown
+from ..outcome import Teardown
 from ..run import Run
 from ..telemetry.settings import Telemetry
 from ..wire import encode_result
-from .listen import Job, RemoteFailure, Watch
+from .listen import PolledJob, RemoteFailure, Watch
 from .ray import Ray, submit_ray
 from .torchrun import ATTACH_ENV, RUN_ID_ENV
 
@@ -205,28 +204,14 @@ def _task(payload: bytes, accelerator: str, settings: Telemetry, seed: int | Non
     return None if run is None else run.results
 
 
-class _SlurmJob(Job):
+class _SlurmJob(PolledJob):
     """The submitted job as ``Run`` reads a supervisor: its ranks' events arrive through
-    the listener (``Job``'s links); its state and results come from SLURM and submitit."""
-
-    teardown_cause = None
-    note = None
+    the listener; its state and results come from SLURM and submitit."""
 
     def __init__(self, run: Run, job, world_size: int, watch: Watch | None):
-        super().__init__(run)
+        super().__init__(run, world_size, "nbtrain-slurm")
         self.job, self.watch = job, watch
-        self.workers = {rank: Reported() for rank in range(world_size)}
         self._written_at: float | None = None
-        self._thread = threading.Thread(target=self._poll, name="nbtrain-slurm", daemon=True)
-
-    def start(self) -> None:
-        if self._thread.ident is None:
-            self._thread.start()
-
-    def unlink(self) -> None:
-        """A rank's connection closed: its job still decides when the run ends."""
-        with self._lock:
-            self._open -= 1
 
     def request_stop(self, reason: str) -> None:
         """``run.stop()``: cancel the job (its ranks end with it)."""
