@@ -17,9 +17,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Imported only inside a function that says how to install it when it is missing.
 # Imported only for users who have them: Run.to_pandas, and nbtrain.integrations' adapters
 # for the frameworks they plug into (importing them is the user's choice).
-# nbtrain.submit's submitit comes with the nbtrain[slurm] extra.
+# nbtrain.submit's submitit comes with the nbtrain[slurm] extra, its Ray engine's ray with
+# nbtrain[ray].
 OPTIONAL = {"pandas", "lightning", "pytorch_lightning", "transformers", "deepspeed",
-            "submitit"}
+            "submitit", "ray"}
 # Needed at run time without being imported by nbtrain: torch's CPU wheel does not
 # bring numpy, yet torch.distributed's object collectives (checkpoints) and plotly's
 # handling of arrays need it.
