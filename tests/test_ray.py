@@ -48,10 +48,10 @@ def train(ctx, fail_on: int | None = None, sleep: float = 0.0):
 
 
 def test_a_bad_address_fails_at_submit_at_once():
-    started = time.monotonic()
+    # nbtrain's probe answers (its message), not ray.init's minute of retries
     with pytest.raises(ConnectionError, match="no Ray cluster answers"):
         nbtrain.submit(train, devices=2, engine=nbtrain.Ray("127.0.0.1:1"))
-    assert time.monotonic() - started < 15  # not Ray's minute of retries
+    assert not ray.is_initialized()
 
 
 @pytest.fixture(scope="module")

@@ -189,7 +189,7 @@ class _RayLaunch:
         except BaseException:
             job.release()
             raise
-        job.follow(refs, watch)
+        job.follow(refs)
         if watch is not None:
             watch.expect(run_id, job)
         run.remote = {"ray": ray.get_runtime_context().gcs_address,
@@ -250,7 +250,7 @@ class _RayJob(PolledJob):
         self._refs: list = []
         self._released = False
 
-    def follow(self, refs: list, watch) -> None:
+    def follow(self, refs: list) -> None:
         self._refs = refs
 
     def request_stop(self, reason: str) -> None:
