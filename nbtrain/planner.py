@@ -236,7 +236,7 @@ def plan(fn: Callable, *args, devices: int | str | list[int] = 2,
     blocks. ``bandwidth``: the bytes/s a rank sends at (``nbtrain.bandwidth``'s bus
     bandwidth, or a link's ceiling) gives the least time a step's communication takes."""
     from .launch.calls import options_of
-    from .launch.start import RUN_OPTIONS
+    from .launch.options import NAMES
     from .launch.starting.devices import parse_devices
 
     world_size = parse_devices(devices, accelerator).world_size
@@ -247,7 +247,7 @@ def plan(fn: Callable, *args, devices: int | str | list[int] = 2,
         raise ValueError(f"bandwidth={bandwidth!r} must be bytes per second, > 0.")
     device, usable = usable_bytes(gpu)
     seed = kwargs.pop("seed", None) or 0
-    kwargs = {k: v for k, v in kwargs.items() if k not in RUN_OPTIONS}
+    kwargs = {k: v for k, v in kwargs.items() if k not in NAMES}
     chosen = {name: get(name) for name in (strategies or STRATEGIES)}
     named = _parameters(fn)
     options = {k: kwargs.pop(k) for k in list(kwargs) if k not in named and any(

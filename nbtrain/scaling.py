@@ -12,32 +12,39 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .launch import launch
+from .launch import launch, options
 from .launch.starting.devices import parse_devices, threads_as_one_of
 from .run import Run
 
+_FIXED = {"background": (False, "it runs its two launches one after the other.")}
 
+
+@options.takes_run_options(fixed=_FIXED)
 def scaling(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = "auto",
-            accelerator: str = "auto", **options: Any) -> Run:
-    """Run ``fn(ctx, *args)`` on one device, then on ``devices``; returns the second run
-    with ``run.baseline`` set to the first, so ``run.summary()`` (and the summary shown
-    when the run ends) compares them. ``options`` are ``launch()``'s (strategy, ...).
+            accelerator: str = "auto", **kwargs: Any) -> Run:
+    """Run ``fn(ctx, *args, **kwargs)`` on one device, then on ``devices``; returns the
+    second run with ``run.baseline`` set to the first, so ``run.summary()`` (and the
+    summary shown when the run ends) compares them. The run's options (both runs'), as
+    ``launch()``'s:
+
+        {run options}
+
+    For example::
 
         run = nbtrain.scaling(train, devices=2)
         run.summary().scaling.speedup       # e.g. 0.83: two ranks were slower than one
         print(run.summary().advice)          # the verdict, and what would help
     """
+    given, _ = options.split("scaling()", kwargs, _FIXED)
+    options.RunOptions.check(given)  # a bad option fails before the baseline starts
     plan = parse_devices(devices, accelerator)
     if plan.world_size < 2:
         raise ValueError(f"scaling() compares several devices with one, and devices="
                          f"{devices!r} gives {plan.world_size}: give devices=2 or more.")
-    if options.get("background"):
-        raise ValueError("scaling() runs its two launches one after the other; "
-                         "background=True is not for it.")
     one = [plan.indices[0]] if plan.accelerator == "cuda" else 1
     # on CPU ranks, one of the N: its share of the cores, not the whole machine's
     with threads_as_one_of(plan.world_size):
-        baseline = launch(fn, *args, devices=one, accelerator=plan.accelerator, **options)
-    run = launch(fn, *args, devices=devices, accelerator=plan.accelerator, **options)
+        baseline = launch(fn, *args, devices=one, accelerator=plan.accelerator, **kwargs)
+    run = launch(fn, *args, devices=devices, accelerator=plan.accelerator, **kwargs)
     run.baseline = baseline
     return run

@@ -129,25 +129,53 @@ def test_ranks_that_return_at_once_never_fail_a_peer_still_joining():
             p.wait()
 
 
-def test_a_run_option_is_taken_alike_by_launch_and_pool_launch():
-    """Each of ``start.RUN_OPTIONS`` is a parameter of launch(), pool.launch() and
-    ``start.check`` with one default, and ``check`` puts it in the ``Request``: a new
-    option missing from one of them fails here, not in a user's run."""
+def test_a_run_option_is_defined_once_and_taken_alike_everywhere():
+    """Each field of ``RunOptions`` is a keyword of launch(), pool.launch(), scaling(),
+    submit() and the StrategyPicker with the field's default (where the entry point does
+    not decide it itself), documented in their help, and reaches the ``Request``: a new
+    option is one field, and an entry point that forgot it fails here."""
     import dataclasses
     import inspect
 
-    from nbtrain.launch import start
+    from nbtrain.launch import options, start
     from nbtrain.launch.pool.ranks import RankPool
+    from nbtrain.scaleout.slurm import submit
+    from nbtrain.ui.picker import StrategyPicker
 
-    takers = [inspect.signature(f).parameters for f in (nbtrain.launch, RankPool.launch,
-                                                        start.check)]
-    fields = {f.name for f in dataclasses.fields(start.Request)}
-    for name in start.RUN_OPTIONS:
-        defaults = {repr(p[name].default) for p in takers}
-        assert len(defaults) == 1, (name, defaults)
-        assert name in fields or name == "strategy", name  # (the strategy: bound, chosen)
-    request = start.check("launch()", lambda ctx: None, (), {},
-                          **start.options(dict(timeout=5.0, seed=3, max_restarts=2,
-                                               background=True, devices=4)))
-    assert (request.timeout, request.seed, request.max_restarts, request.background) == \
-        (5.0, 3, 2, True)
+    fields = dataclasses.fields(options.RunOptions)
+    takers = {"launch": nbtrain.launch, "pool.launch": RankPool.launch,
+              "scaling": nbtrain.scaling, "submit": submit, "picker": StrategyPicker.__init__}
+    for who, api in takers.items():
+        params = inspect.signature(api).parameters
+        assert list(params)[-1] == "kwargs", who  # the function's own keywords last
+        for f in fields:
+            if f.name in api.run_options:
+                assert params[f.name].default == f.default, (who, f.name)
+                assert params[f.name].kind is inspect.Parameter.KEYWORD_ONLY, (who, f.name)
+            else:  # decided by the entry point itself
+                assert f.name not in params, (who, f.name)
+        assert options.MARK not in (api.__doc__ or ""), who
+    assert set(nbtrain.launch.run_options) == set(options.NAMES)
+    assert set(RankPool.launch.run_options) == set(options.NAMES)
+    for f in fields:
+        assert f"        {f.name}: " in nbtrain.launch.__doc__, f.name
+    given, own = options.split("launch()", dict(timeout=5.0, seed=3, max_restarts=2,
+                                                 background=True, lr=0.1))
+    assert own == {"lr": 0.1}
+    request = start.check("launch()", lambda ctx, lr: None, (), own, given)
+    assert (request.timeout, request.seed, request.max_restarts, request.background,
+            request.kwargs) == (5.0, 3, 2, True, {"lr": 0.1})
+    assert {f.name for f in fields} <= {f.name for f in dataclasses.fields(start.Request)}
+
+
+def test_an_option_an_entry_point_decides_itself_fails_with_its_reason(tmp_path):
+    from nbtrain.scaleout.slurm import submit
+
+    with pytest.raises(ValueError, match="two launches one after the other"):
+        nbtrain.scaling(lambda ctx: None, devices=2, accelerator="cpu", background=True)
+    with pytest.raises(ValueError, match=r"slurm=\{'time'"):
+        submit(lambda ctx: None, timeout=60, folder=tmp_path)
+    with pytest.raises(ValueError, match="timeout=-1 must be a positive"):
+        nbtrain.scaling(lambda ctx: None, devices=2, accelerator="cpu", timeout=-1)
+    with pytest.raises(TypeError, match="background='yes'"):
+        nbtrain.launch(lambda ctx: None, accelerator="cpu", background="yes")

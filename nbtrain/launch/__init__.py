@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -12,9 +11,7 @@ from ..restarts import collective_timeout
 from ..run import Run
 from ..strategies import Strategy
 from ..telemetry.channel import TelemetryServer
-from ..telemetry.settings import Telemetry
-from ..telemetry.sinks import Sink
-from . import calls, start
+from . import calls, options, start
 from .following.supervisor import Supervisor
 from .starting import launchers
 from .starting.devices import parse_devices, threads_per_worker
@@ -23,61 +20,28 @@ from .starting.launcher import Launcher
 __all__ = ["launch"]
 
 
+@options.takes_run_options()
 def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = "auto",
-           strategy: str | Strategy = "ddp", accelerator: str = "auto",
-           start_method: str = "auto", background: bool = False,
-           timeout: float | None = None, telemetry: bool | Telemetry = True,
-           sinks: list[Sink] = (), dashboard: bool | str = "auto",
-           resume: str | os.PathLike | None = None, seed: int | None = None,
-           max_restarts: int = 0, **kwargs: Any) -> Run:
+           accelerator: str = "auto", start_method: str = "auto", **kwargs: Any) -> Run:
     """Run ``fn(ctx, *args, **kwargs)`` once per rank, one rank per device.
 
     A function written without ``ctx`` (for torchrun or ``notebook_launcher``: ``def
     main():``, ``def main(cfg):``) is called as it is, ``fn(*args, **kwargs)``: which one
     the arguments fit decides (a first parameter named ``ctx`` when both do). Keywords
-    that ``fn`` does not name and that are options of the strategy
-    (``activation_checkpointing="auto"``, ``mixed_precision="bf16"``,
-    ``sync_batchnorm=True``, FSDP's ``wrap=``, ...) configure the strategy; anything else
-    ``fn`` cannot take fails here, before any worker starts.
+    that are the run's options (below) are launch()'s; keywords that ``fn`` does not name
+    and that are options of the strategy (``activation_checkpointing="auto"``,
+    ``mixed_precision="bf16"``, ``sync_batchnorm=True``, FSDP's ``wrap=``, ...) configure
+    the strategy; anything else ``fn`` cannot take fails here, before any worker starts.
 
     Args:
         devices: a count, a list of GPU indices, ``"auto"`` (all GPUs; 1 process on CPU)
             or ``-1`` (all).
-        strategy: a registered name (``nbtrain.strategies.names()``) or a Strategy,
-            e.g. ``nbtrain.strategies.get("fsdp", mixed_precision="bf16")``.
         accelerator: ``"auto"``, ``"cuda"`` or ``"cpu"`` (gloo processes).
         start_method: ``"auto"`` (fork when safe, else the fork server, with a warning
             saying why), ``"fork"`` (workers are copies of the kernel), ``"forkserver"``
             (forked from a clean process that has imported torch; the first launch starts
             it, later ones are warm) or ``"spawn"`` (a new interpreter per worker).
-        background: return the ``Run`` at once instead of blocking until it ends.
-        timeout: seconds after which the run is ended and an error names the ranks still
-            running (a hang in a collective, for instance).
-        telemetry: what workers stream to ``run.history``: ``True`` (metrics, step
-            times, memory by category every 10 steps, communication per step),
-            ``False`` (nothing), or ``nbtrain.Telemetry(memory_every=..., comm=...)``.
-        sinks: extra outputs that receive the events (objects with
-            ``on_events(events)`` and ``close(run)``; see ``nbtrain.telemetry.sinks``).
-        dashboard: the run's live view in the cell. ``"auto"``/``True``: the live widget
-            dashboard where a widget frontend is connected (JupyterLab, Notebook 7), a
-            static figure refreshed every few seconds in other kernels (nbclient, VS Code
-            or Colab without widgets), text progress in a terminal; ``"widget"``,
-            ``"static"``, ``"text"`` force one; ``False`` shows nothing. The environment
-            variable ``NBTRAIN_DASHBOARD`` (same values, or ``off``) overrides ``"auto"``.
-        resume: a checkpoint written by ``ctx.save``; every rank finds it in
-            ``ctx.resume_from`` (None without it) and goes on from it with
-            ``ctx.load(ctx.resume_from, state)``.
-        seed: the base seed (0 to 2**32 - 1). Rank r seeds torch, ``random`` and numpy
-            with ``seed + r`` before ``fn`` runs, after fork and spawn alike, and
-            ``ctx.dataloader`` shuffles with ``seed`` on every rank. None (default): a
-            fresh base seed per launch (``run.seed`` keeps it; pass it to repeat the run)
-            and shuffling with seed 0. Seeding inside ``fn`` overrides it, as usual.
-        max_restarts: when a rank dies (a signal such as the OOM killer's, an exit
-            without returning, a collective that timed out), end every rank and start
-            again, on the same devices, up to this many times; each attempt finds the
-            last checkpoint ``ctx.save`` completed in ``ctx.resume_from`` (the one given
-            as ``resume``, or None, before any). An exception raised by ``fn`` is not
-            retried. The same ``Run`` goes on; ``run.attempts`` lists the restarts.
+        {run options}
 
     Returns the ``Run``. Blocking, a failed rank raises ``nbtrain.WorkerError`` here; an
     interrupt (Ctrl-C, the stop button) ends every worker and raises KeyboardInterrupt
@@ -93,11 +57,11 @@ def launch(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = 
     rank raises ``WorkerError`` in its process. ``NBTRAIN_ATTACH=HOST:PORT:TOKEN`` (from
     ``nbtrain.listen()``) streams every rank's events to that notebook.
     """
-    options = start.options(locals())
+    given, kwargs = options.split("launch()", kwargs)
     calls.warn_shadowed("launch()", fn, calls.given(
         launch, devices=devices, accelerator=accelerator, start_method=start_method,
-        **options))
-    request = start.check("launch()", fn, args, kwargs, **options)
+        **given))
+    request = start.check("launch()", fn, args, kwargs, given)
     # Ranks started by torchrun or a cluster (SLURM's srun, LSF's jsrun, Kubeflow): this
     # process is one, and a scale-out backend runs the function here (scaleout/).
     found = start.in_process(accelerator)

@@ -4,7 +4,8 @@
 ranks and ``nbtrain.submit`` each make a checked ``Request`` (``check``), a device plan
 and a ``Backend``, and hand them to ``execute``:
 
-    request = check("launch()", fn, args, kwargs, strategy=..., ...)   # before anything
+    given, kwargs = options.split(who, kwargs)      # the run's options (options.py)
+    request = check(who, fn, args, kwargs, given)   # before anything
     run = execute(request, plan, backend)
       request = backend.prepare(request, plan)   # its own checks; what it decides first
       request.strategy.check(plan)               # can the strategy run on these devices
@@ -33,34 +34,28 @@ from typing import Any, Protocol
 from .. import seeding, strategies
 from ..cells import current_kernel
 from ..outcome import Outcome
-from ..run import DASHBOARDS, Run
+from ..run import Run
 from ..spec import WORKER_ENV, WorkerSpec
 from ..strategies import Strategy
 from ..telemetry.settings import Telemetry
 from . import calls
 from .following.watch import kill_group
+from .options import RunOptions
 from .starting.launcher import Launcher, WorkerHandle, interrupts_deferred
 
 HOST = "127.0.0.1"  # where the ranks of this machine meet: their store, the listener
 
 
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """A run as asked for, checked: what ``launch()`` and ``pool.launch()`` take alike."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Request(RunOptions):
+    """A run as asked for, checked (``check``): its options (``options.py``; the strategy
+    bound to the function) and the call."""
 
     fn: Callable[..., Any]  # what the ranks call with ctx first (calls.py)
     args: tuple
     kwargs: dict  # fn's own keywords; the strategy's options are in ``strategy``
     strategy: Strategy
-    base_seed: int  # rank r starts from base_seed + r
-    seed: int | None = None  # as given: None shuffles with 0 (see seeding.py)
-    timeout: float | None = None
-    telemetry: Telemetry = Telemetry()
-    sinks: tuple = ()
-    dashboard: bool | str = "auto"
-    resume: str | None = None
-    background: bool = False
-    max_restarts: int = 0  # attempts after the first, when a rank dies (restarts.py)
+    base_seed: int  # rank r starts from base_seed + r; ``seed`` is as given (None: fresh)
 
     @property
     def name(self) -> str:
@@ -72,41 +67,18 @@ class Request:
         return self.seed if self.seed is not None else 0
 
 
-# A run's options, as launch() and pool.launch() take them under these names: both pass
-# them on with ``options(locals())``; a new one is a parameter of theirs, of ``check``
-# (where it is checked) and a field of ``Request``.
-RUN_OPTIONS = ("strategy", "timeout", "telemetry", "sinks", "dashboard", "resume", "seed",
-               "background", "max_restarts")
-
-
-def options(scope: dict[str, Any]) -> dict[str, Any]:
-    """The run options among a call's ``locals()``, for ``check`` and ``calls.given``."""
-    return {name: scope[name] for name in RUN_OPTIONS if name in scope}
-
-
-def check(who: str, fn, args: tuple, kwargs: dict, *, strategy: str | Strategy = "ddp",
-          timeout: float | None = None, telemetry: bool | Telemetry = True, sinks=(),
-          dashboard: bool | str = "auto", resume=None, seed: int | None = None,
-          background: bool = False, max_restarts: int = 0) -> Request:
+def check(who: str, fn, args: tuple, kwargs: dict, given: dict[str, Any]) -> Request:
     """Everything about a run that can be wrong, checked before anything starts: how
-    ``fn`` is called (with ``ctx`` or without, which keywords are the strategy's), the
-    timeout, the view, the resume path, the seed, the telemetry options."""
+    ``fn`` is called (with ``ctx`` or without, which keywords are the strategy's) and the
+    run's options ``given`` (``options.split`` picked them out of the call's keywords)."""
     refuse_in_a_rank(who)
     if not callable(fn):
         raise TypeError(f"{who} takes the function to run first; got {type(fn).__name__}.")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
-    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
-        raise ValueError(f"max_restarts={max_restarts!r} must be an int >= 0 (how many times "
-                         "a run whose rank died starts again).")
-    if dashboard not in DASHBOARDS:
-        raise ValueError(f"dashboard={dashboard!r}: use 'auto' (the default), True, False, or "
-                         "force one view: 'widget', 'static' or 'text'.")
-    call, own, chosen = calls.bind(who, fn, args, kwargs, strategies.get(strategy))
-    return Request(call, tuple(args), own, chosen, seeding.base_seed(seed), seed=seed,
-                   timeout=timeout, telemetry=Telemetry.from_arg(telemetry), sinks=tuple(sinks),
-                   dashboard=dashboard, resume=_resume_path(resume), background=background,
-                   max_restarts=max_restarts)
+    options = RunOptions.check(given)
+    call, own, chosen = calls.bind(who, fn, args, kwargs, strategies.get(options.strategy))
+    fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(RunOptions)}
+    return Request(**{**fields, "strategy": chosen}, fn=call, args=tuple(args), kwargs=own,
+                   base_seed=seeding.base_seed(options.seed))
 
 
 def refuse_in_a_rank(who: str) -> None:
@@ -118,21 +90,6 @@ def refuse_in_a_rank(who: str) -> None:
             f"nbtrain's {who} was called in rank {rank} of {world}: a rank starts no ranks "
             "of its own. Call the function here instead (it runs as this rank, in the "
             "run's process group), or launch it from the notebook.")
-
-
-def _resume_path(resume) -> str | None:
-    if resume is None:
-        return None
-    from ..checkpoint import exists
-
-    if not isinstance(resume, (str, os.PathLike)):
-        raise TypeError(f"resume={resume!r}: give the path of a checkpoint written by ctx.save.")
-    path = os.path.abspath(os.fspath(resume))
-    if not exists(path):
-        raise ValueError(f"resume={os.fspath(resume)!r}: no checkpoint there (ctx.save writes "
-                         "a directory with a .metadata file, or one file with full=True). "
-                         "Start without resume=, or check nbtrain.checkpoint.exists(path).")
-    return path
 
 
 class Backend(Protocol):

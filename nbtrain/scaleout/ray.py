@@ -44,7 +44,6 @@ from ..launch.following.failures import communication_error
 from ..launch.starting.spawn import serialize
 from ..outcome import Ending, Teardown
 from ..run import Run
-from ..telemetry.settings import Telemetry
 from ..wire import encode_result
 from .listen import PolledJob, RemoteFailure, Watch
 from .torchrun import ATTACH_ENV, RUN_ID_ENV
@@ -76,9 +75,9 @@ class Ray:
             raise ValueError(f"Ray(cpus_per_rank={self.cpus_per_rank!r}) must be > 0.")
 
 
-def submit_ray(engine: Ray, fn: Callable[..., Any], args: tuple, kwargs: dict, *,
-               ranks: int, strategy, accelerator: str, telemetry, dashboard, seed,
-               max_restarts: int = 0) -> Run:
+def submit_ray(engine: Ray, fn: Callable[..., Any], args: tuple, kwargs: dict,
+               given: dict[str, Any], *, ranks: int, accelerator: str) -> Run:
+    """``submit(..., engine=Ray(...))``: ``given`` the run's options (``options.split``)."""
     try:
         import ray  # noqa: F401
     except ImportError:
@@ -86,9 +85,7 @@ def submit_ray(engine: Ray, fn: Callable[..., Any], args: tuple, kwargs: dict, *
             from None
     if accelerator not in ("auto", "cpu", "cuda"):
         raise ValueError(f"accelerator={accelerator!r}: use 'auto', 'cuda' or 'cpu'.")
-    request = start.check("submit()", fn, args, kwargs, strategy=strategy, telemetry=telemetry,
-                          dashboard=dashboard, seed=seed, background=True,
-                          max_restarts=max_restarts)
+    request = start.check("submit()", fn, args, kwargs, given)
     cluster = _connect(engine)
     if accelerator == "auto":
         accelerator = "cuda" if cluster.get("GPU", 0) >= ranks else "cpu"
@@ -100,7 +97,7 @@ def submit_ray(engine: Ray, fn: Callable[..., Any], args: tuple, kwargs: dict, *
         raise ValueError(f"the Ray cluster cannot hold {ranks} ranks: they need {said}. Give "
                          "fewer devices, Ray(cpus_per_rank=...) smaller, or add nodes.")
     plan = DevicePlan(accelerator, tuple(range(ranks)))
-    return start.execute(request, plan, _RayLaunch(engine, seed))
+    return start.execute(request, plan, _RayLaunch(engine))
 
 
 def _connect(engine: Ray) -> dict:
@@ -133,14 +130,14 @@ class _RayLaunch:
     blocking = False
     returns_run = True
 
-    def __init__(self, engine: Ray, seed: int | None):
-        self.engine, self.seed = engine, seed
+    def __init__(self, engine: Ray):
+        self.engine = engine
         self.payload: bytes | None = None
 
     def prepare(self, request: start.Request, plan: DevicePlan) -> start.Request:
         self.payload = serialize(request.fn, request.args, request.kwargs, request.strategy,
                                  "a Ray worker", "or define what it needs inside the function")
-        return dataclasses.replace(request, base_seed=self.seed)
+        return dataclasses.replace(request, base_seed=request.seed)
 
     def start(self, request: start.Request, plan: DevicePlan, run: Run):
         import ray
@@ -183,9 +180,9 @@ class _RayLaunch:
                            RUN_ID_ENV: run_id}
                 if watch is not None:
                     environ[ATTACH_ENV] = watch.address
-                refs.append(actors[rank].run.remote(self.payload, plan.accelerator, settings,
-                                                    self.seed, environ, list(sys.path),
-                                                    request.resume))
+                refs.append(actors[rank].run.remote(self.payload, plan.accelerator,
+                                                    request.for_ranks(), environ,
+                                                    list(sys.path)))
         except BaseException:
             job.release()
             raise
@@ -199,7 +196,7 @@ class _RayLaunch:
     def again(self) -> _RayLaunch:
         """The next attempt's (``max_restarts``): new actors, placed anew (a lost node's
         ranks go where the cluster has room)."""
-        return _RayLaunch(self.engine, self.seed)
+        return _RayLaunch(self.engine)
 
     def abandon(self) -> None:
         pass
@@ -218,8 +215,8 @@ class _Rank:
         context = ray.get_runtime_context()
         return context.get_node_id(), ray.util.get_node_ip_address(), port
 
-    def run(self, payload: bytes, accelerator: str, settings: Telemetry, seed: int | None,
-            environ: dict[str, str], path: list[str], resume: str | None = None):
+    def run(self, payload: bytes, accelerator: str, options: dict[str, Any],
+            environ: dict[str, str], path: list[str]):
         """``launch()`` as this rank; rank 0 returns every rank's results. A failure comes
         back as (type, message, traceback), not as Ray's wrapping of it. The kernel's
         import path, where this node has its folders, is searched after the worker's own:
@@ -233,8 +230,7 @@ class _Rank:
         try:
             fn, args, kwargs, strategy = dill.loads(payload)
             run = launch(fn, *args, strategy=strategy, accelerator=accelerator,
-                         telemetry=settings, seed=seed, dashboard=False, resume=resume,
-                         **kwargs)
+                         dashboard=False, **options, **kwargs)
             return ("ok", None if run is None else run.results)
         except BaseException as err:
             return ("failed", type(err).__name__, str(err)[:2000], traceback.format_exc())

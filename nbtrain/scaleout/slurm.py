@@ -30,11 +30,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..deviceplan import DevicePlan
-from ..launch import start
+from ..launch import options, start
 from ..launch.starting.spawn import serialize
 from ..outcome import Teardown
 from ..run import Run
-from ..telemetry.settings import Telemetry
 from ..wire import encode_result
 from .listen import PolledJob, RemoteFailure, Watch
 from .ray import Ray, submit_ray
@@ -53,12 +52,17 @@ _SUBMITIT = {"partition", "time", "cpus_per_task", "cpus_per_gpu", "gpus_per_nod
              "signal_delay_s", "srun_args"}
 
 
+# the run options a submitted job decides otherwise, with why
+_FIXED = {"background": (True, "submit() returns the Run at once; run.wait() blocks."),
+          "timeout": (None, "a submitted job's limit is the cluster's: slurm={'time': "
+                      "minutes} (SLURM ends the job then); or call run.stop().")}
+
+
+@options.takes_run_options(fixed=_FIXED)
 def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
-           strategy: str = "ddp", accelerator: str = "auto", slurm: dict | None = None,
+           accelerator: str = "auto", slurm: dict | None = None,
            folder: str | os.PathLike = "nbtrain-jobs", listen_host: str = "0.0.0.0",
-           dashboard: bool | str = "auto", telemetry: bool | Telemetry = True,
-           seed: int | None = None, engine: Ray | None = None, max_restarts: int = 0,
-           **kwargs: Any) -> Run:
+           engine: Ray | None = None, **kwargs: Any) -> Run:
     """Submit ``fn(ctx, *args, **kwargs)`` to SLURM as ``nodes`` x ``devices`` ranks and
     return its ``Run`` at once (``run.wait()`` blocks). Names mean what ``launch()``'s do;
     ``devices`` counts per node. ``slurm``: sbatch options by name (``partition``,
@@ -68,29 +72,28 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
     ranks (gloo). See the module docstring for what must hold on the cluster.
     ``engine=nbtrain.Ray(address)``: on a Ray cluster instead, ``nodes`` x ``devices``
     ranks placed by Ray (``scaleout/ray.py``), where ``max_restarts`` starts them again
-    from the last checkpoint after a worker or a node is lost (as ``launch()``'s)."""
-    if engine is not None:
-        if not isinstance(engine, Ray):
-            raise TypeError(f"engine={engine!r}: give nbtrain.Ray(address), or leave it out "
-                            "for SLURM.")
-        for name, value in (("nodes", nodes), ("devices", devices)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r}: give a positive number.")
-        return submit_ray(engine, fn, args, kwargs, ranks=nodes * devices, strategy=strategy,
-                          accelerator=accelerator, telemetry=telemetry, dashboard=dashboard,
-                          seed=seed, max_restarts=max_restarts)
-    try:
-        import submitit
-    except ImportError:
-        raise ImportError(f"nbtrain.submit needs submitit: {INSTALL}") from None
+    from the last checkpoint after a worker or a node is lost (as ``launch()``'s; under
+    SLURM, its own requeue does). The run's options, as ``launch()``'s:
+
+        {run options}
+    """
     for name, value in (("nodes", nodes), ("devices", devices)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r}: give a positive number of "
                              f"{'nodes' if name == 'nodes' else 'ranks per node'}.")
-    request = start.check("submit()", fn, args, kwargs, strategy=strategy,
-                          telemetry=telemetry, dashboard=dashboard, seed=seed,
-                          background=True,  # it returns at once: run.wait() blocks
-                          max_restarts=max_restarts)  # refused: SLURM requeues, not nbtrain
+    given, kwargs = options.split("submit()", kwargs, _FIXED)
+    given["background"] = True  # it returns at once: run.wait() blocks
+    if engine is not None:
+        if not isinstance(engine, Ray):
+            raise TypeError(f"engine={engine!r}: give nbtrain.Ray(address), or leave it out "
+                            "for SLURM.")
+        return submit_ray(engine, fn, args, kwargs, given, ranks=nodes * devices,
+                          accelerator=accelerator)
+    try:
+        import submitit
+    except ImportError:
+        raise ImportError(f"nbtrain.submit needs submitit: {INSTALL}") from None
+    request = start.check("submit()", fn, args, kwargs, given)
     params = _sbatch_params(dict(slurm or {}))
     if accelerator == "auto":
         accelerator = "cuda" if params.get("gpus_per_node") else "cpu"
@@ -99,7 +102,7 @@ def submit(fn: Callable[..., Any], *args: Any, nodes: int = 1, devices: int = 1,
     if accelerator == "cuda":
         params.setdefault("gpus_per_node", devices)
     plan = DevicePlan(accelerator, tuple(range(nodes * devices)))
-    backend = _Submission(submitit, nodes, devices, params, folder, listen_host, seed)
+    backend = _Submission(submitit, nodes, devices, params, folder, listen_host)
     return start.execute(request, plan, backend)
 
 
@@ -114,16 +117,16 @@ class _Submission:
     returns_run = True
 
     def __init__(self, submitit, nodes: int, devices: int, params: dict, folder,
-                 listen_host: str, seed: int | None):
+                 listen_host: str):
         self.submitit, self.nodes, self.devices = submitit, nodes, devices
-        self.params, self.folder, self.listen_host, self.seed = params, folder, listen_host, seed
+        self.params, self.folder, self.listen_host = params, folder, listen_host
         self.payload: bytes | None = None
 
     def prepare(self, request: start.Request, plan: DevicePlan) -> start.Request:
         self.payload = serialize(request.fn, request.args, request.kwargs, request.strategy,
                                  "a SLURM job", "or define what it needs inside the function")
         # the job's rank 0 draws the base seed when none is given: the run says so
-        return dataclasses.replace(request, base_seed=self.seed)
+        return dataclasses.replace(request, base_seed=request.seed)
 
     def start(self, request: start.Request, plan: DevicePlan, run: Run):
         settings = request.telemetry
@@ -140,8 +143,8 @@ class _Submission:
         if watch is not None:
             environ[ATTACH_ENV] = watch.address
         try:
-            job = executor.submit(_task, self.payload, plan.accelerator, settings, self.seed,
-                                  environ)
+            job = executor.submit(_task, self.payload, plan.accelerator,
+                                  request.for_ranks(), environ)
         except Exception:
             if watch is not None:
                 watch.close()
@@ -189,7 +192,7 @@ def _sbatch_params(given: dict) -> dict:
     return params
 
 
-def _task(payload: bytes, accelerator: str, settings: Telemetry, seed: int | None,
+def _task(payload: bytes, accelerator: str, options: dict[str, Any],
           environ: dict[str, str]):
     """One SLURM task: ``launch()`` as this task's rank. Rank 0 returns every rank's
     results (gathered), the others None."""
@@ -199,8 +202,8 @@ def _task(payload: bytes, accelerator: str, settings: Telemetry, seed: int | Non
 
     os.environ.update(environ)
     fn, args, kwargs, strategy = dill.loads(payload)
-    run = launch(fn, *args, strategy=strategy, accelerator=accelerator, telemetry=settings,
-                 seed=seed, dashboard=False, **kwargs)
+    run = launch(fn, *args, strategy=strategy, accelerator=accelerator, dashboard=False,
+                 **options, **kwargs)
     return None if run is None else run.results
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import strategies
 from ..cells import mark_shown, shown_here
+from ..launch import launch, options
 from ..units import format_bytes
 from .compare import Comparison
 from .header import twin_style
@@ -35,6 +36,10 @@ PRECISIONS = [("fp32", "fp32"), ("bf16 mixed", "bf16"), ("fp16 mixed", "fp16")]
 # widget's error instead. A page open when the kernel goes retires the widget's output
 # (keeper.py), so the file saved from it has no error to hide.
 TWIN_STYLE = twin_style("nbtrain-picker", "nbtrain-twin")
+# the run options the picker decides itself, with why
+_FIXED = {"strategy": ("ddp", "the dropdown chooses it (strategies_shown= lists which)."),
+          "background": (True, "its runs go in the background, so Stop stays live."),
+          "dashboard": ("auto", "it shows the live dashboard of each run itself.")}
 
 
 class StrategyPicker:
@@ -45,7 +50,9 @@ class StrategyPicker:
         picker = nbtrain.StrategyPicker(train, devices=2, lr=3e-4)
 
     ``fn``, ``*args``, ``devices`` and ``**kwargs`` are what ``nbtrain.launch`` takes; each
-    Run launches them in the background with the chosen strategy, precision and offload.
+    Run launches them in the background with the chosen strategy, precision and offload,
+    and the run's options given here (``timeout=``, ``seed=``, ``sinks=``, ...; the
+    strategy, ``background`` and ``dashboard`` are the picker's own).
     Only the strategies that can run on the devices are offered (``not_offered`` says why
     the others are not). From code: ``picker.start("fsdp")``, ``picker.stop()``,
     ``picker.runs`` (every run started, in order), ``picker.run`` (the current or last).
@@ -55,12 +62,16 @@ class StrategyPicker:
     marked, and why (``picker.memory``: the plan).
     """
 
+    @options.takes_run_options(fixed=_FIXED)
     def __init__(self, fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = "auto",
                  strategies_shown: list[str] | None = None, display: bool = True,
                  gpu: str | float | None = None, **kwargs: Any):
         if not callable(fn):
             raise TypeError(f"StrategyPicker() takes the training function first; got "
                             f"{type(fn).__name__}.")
+        given, _ = options.split("StrategyPicker()", kwargs, _FIXED)
+        options.RunOptions.check(given)  # a bad option fails here, not at Run
+        kwargs = {k: v for k, v in kwargs.items() if k not in _FIXED}
         from .dashboard import require_widgets
 
         widgets = require_widgets()
@@ -137,7 +148,6 @@ class StrategyPicker:
         if self.run is not None and not self.run.done:
             raise RuntimeError("a run is going; press Stop (or picker.stop()) before "
                                "starting another.")
-        from ..launch import launch
         from .dashboard import Dashboard
 
         name = strategy or self.dropdown.value
@@ -154,8 +164,10 @@ class StrategyPicker:
             [self.plan.indices[0]] if self.plan.accelerator == "cuda" else 1)
         chosen = strategies.get(name, **self._options(name))
         dashboard = Dashboard(display=False)
+        kwargs = dict(self.kwargs)
+        sinks = [*kwargs.pop("sinks", ()), dashboard]
         run = launch(self.fn, *self.args, devices=devices, strategy=chosen,
-                     background=True, dashboard=False, sinks=[dashboard], **self.kwargs)
+                     background=True, dashboard=False, sinks=sinks, **kwargs)
         dashboard.bind(run)
         self.run, self.dashboard = run, dashboard
         self.runs.append(run)

@@ -45,7 +45,7 @@ from ...wire import (
     decode_value,
     encode_command,
 )
-from .. import calls, start
+from .. import calls, options, start
 from ..following.watch import kill_group
 from ..starting import launchers
 from ..starting.devices import parse_devices, threads_per_worker
@@ -226,18 +226,19 @@ class RankPool:
                          "busy": bool(busy) and alive, **memory.get(rank, {})})
         return PoolStatus(rows, self.workers.ended, busy)
 
-    def launch(self, fn: Callable[..., Any], *args: Any, strategy="ddp",
-               background: bool = False, timeout: float | None = None,
-               telemetry=True, sinks=(), dashboard: bool | str = "auto",
-               resume=None, seed: int | None = None, max_restarts: int = 0, **kwargs: Any):
+    @options.takes_run_options()
+    def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any):
         """Run ``fn(ctx, *args, **kwargs)`` on the warm workers; returns a ``Run`` exactly
         as ``nbtrain.launch`` does (same arguments, except that devices, accelerator and
         start method are the pool's). What the run made is freed on every rank when it
-        ends (on CUDA the allocator's cache is emptied too)."""
-        options = start.options(locals())
-        calls.warn_shadowed("pool.launch()", fn, calls.given(RankPool.launch, **options))
+        ends (on CUDA the allocator's cache is emptied too). The run's options:
+
+            {run options}
+        """
+        given, kwargs = options.split("pool.launch()", kwargs)
+        calls.warn_shadowed("pool.launch()", fn, calls.given(RankPool.launch, **given))
         self._check_open()
-        request = start.check("pool.launch()", fn, args, kwargs, **options)
+        request = start.check("pool.launch()", fn, args, kwargs, given)
         with busy_while_blocking():
             return start.execute(request, self.plan, PoolLaunch(self))
 
