@@ -54,6 +54,37 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_trains_the_same(
     assert "restarted 1 time" in str(run.summary())
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_rank_hung_on_the_default_group_is_ended_at_collective_timeout_and_restarted(
+        strategy, uninterrupted, tmp_path):
+    """Rank 1 stops answering at step 10: rank 0's next collective on the run's own
+    process group (DDP's all-reduce, FSDP's all-gather) times out after
+    ``collective_timeout`` (3 s here; 600 s by default), the attempt ends and the next
+    one goes on from the checkpoint of step 7 to an uninterrupted run's weights."""
+    path = str(tmp_path / "ck")
+    run = nbtrain.launch(ckpt_train, path=path, strategy=strategy, die_at=10, die_by="hang",
+                         max_restarts=1, collective_timeout=3, timeout=300, **KW)
+    assert run.status == "done", run.error
+    [attempt] = run.attempts
+    assert attempt.cause.startswith("rank 0") and "Timed out" in attempt.cause, attempt.cause
+    assert attempt.resume == path and run.results[0]["first"] == 8
+    for name, value in uninterrupted[strategy].results[0]["full"].items():
+        torch.testing.assert_close(run.results[0]["full"][name], value, rtol=1e-5, atol=1e-6,
+                                   msg=f"{strategy}: {name} differs after the restart")
+    # ended by the group's 3 s, not its 600 s default (a generous bound for teardown)
+    [restart] = run.history.events("restart")
+    before = [e.t for e in run.history.events() if e.kind == "metric" and e.t < restart.t]
+    assert restart.t - max(before) < 60
+
+
+def test_collective_timeout_is_checked_and_a_pool_says_where_it_is_set():
+    with pytest.raises(ValueError, match="collective_timeout=0 must be a positive"):
+        nbtrain.launch(ckpt_train, collective_timeout=0, **KW)
+    with nbtrain.RankPool(devices=2, accelerator="cpu") as pool, \
+            pytest.raises(ValueError, match=r"RankPool\(timeout=...\)"):
+        pool.launch(ckpt_train, collective_timeout=5)
+
+
 @pytest.fixture(scope="module")
 def every_uninterrupted(tmp_path_factory):
     return {s: nbtrain.launch(every_train, str(tmp_path_factory.mktemp(s) / "ck"),

@@ -444,8 +444,8 @@ def ckpt_train(ctx, path=None, load_from=None, steps=8, save_every=0, stop_after
     """Deep + Adam on a fixed global batch, saving {model, optimizer, step} every
     ``save_every`` steps; goes on from ``load_from`` or ``ctx.resume_from`` when given.
     ``die_at``: in the first attempt only (nothing to resume from), rank ``die_rank``
-    ends at that step: ``die_by`` a signal's name, "exit" (os._exit(0), no result) or
-    "raise" (a ValueError of the user's)."""
+    ends at that step: ``die_by`` a signal's name, "exit" (os._exit(0), no result),
+    "raise" (a ValueError of the user's) or "hang" (it stops answering)."""
     torch.manual_seed(0)
     model = Deep()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -568,6 +568,8 @@ def _die(how: str, step: int) -> None:
         os._exit(0)
     if how == "raise":
         raise ValueError(f"the user's own error at step {step}")
+    if how == "hang":  # stops answering: the others wait in their next collective
+        time.sleep(600)
     os.kill(os.getpid(), getattr(signal, how))
     time.sleep(30)  # the signal arrives
 

@@ -116,7 +116,8 @@ class OneShot:
             threads = launcher.threads(threads_per_worker(plan.world_size))
             specs = start.rank_specs(
                 plan, threads=threads,
-                pg_timeout=collective_timeout(run.timeout, request.max_restarts),
+                pg_timeout=request.collective_timeout or collective_timeout(
+                    run.timeout, request.max_restarts),
                 telemetry_address=server.address if server else None,
                 token=server.token if server else "", telemetry=request.telemetry,
                 resume=request.resume, seed=run.seed, data_seed=request.data_seed)

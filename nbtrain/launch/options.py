@@ -75,6 +75,13 @@ class RunOptions:
         ``ctx.save(..., resume=True)``; else the one given as ``resume``, or None). An
         exception raised by ``fn`` is not retried. The same ``Run`` goes on;
         ``run.attempts`` lists the restarts.""")
+    collective_timeout: float | None = _option(None, """seconds a collective may wait
+        before the process group ends it (a rank that stopped answering: the others' wait
+        ends in a communication error, which ``max_restarts`` retries). None: 600 s, or
+        with ``timeout=`` a share of it that leaves the restarts their time (``timeout /
+        (max_restarts + 1)``, 60 to 600 s). A value below the slowest first collective
+        (a model built on rank 0 alone, an evaluation on one rank) ends healthy runs.""",
+        ranks=True)
 
     @classmethod
     def check(cls, given: dict[str, Any]) -> RunOptions:
@@ -94,6 +101,11 @@ class RunOptions:
                              "True, False, or force one view: 'widget', 'static' or 'text'.")
         if not isinstance(options.background, bool):
             raise TypeError(f"background={options.background!r}: give True or False.")
+        wait = options.collective_timeout
+        if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
+                                 or wait <= 0):
+            raise ValueError(f"collective_timeout={wait!r} must be a positive number of "
+                             "seconds (or None: chosen from timeout= and max_restarts).")
         if options.seed is not None:
             seeding.base_seed(options.seed)  # raises for a seed out of range
         return dataclasses.replace(options, telemetry=Telemetry.from_arg(options.telemetry),

@@ -126,7 +126,8 @@ class InProcessRank:
         if self.started_by == "torchrun":
             end_with_agent(os.getppid(), self.rank)
         request.strategy.check(plan)  # before the group: a wrong strategy fails alone
-        _join(plan, self.local_rank, self.pg_timeout)  # kept for a later launch()
+        _join(plan, self.local_rank, request.collective_timeout or self.pg_timeout)  # kept
+        # for a later launch() (which finds the group made: its own wait is the first's)
         # One base seed and run id for the whole job, drawn on rank 0 (nbtrain.submit
         # names the run, so the notebook's listener knows it as its own).
         run_id = os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:12]

@@ -67,6 +67,12 @@ def active_pool() -> RankPool:
     return pool
 
 
+# the run options the pool decided when it started, with why
+_FIXED = {"collective_timeout": (None, "the pool's process group is made when its workers "
+                                 "start: RankPool(timeout=...) sets how long a collective "
+                                 "may wait.")}
+
+
 class RankPool:
     """Warm workers, one per device, kept across ``pool.launch`` calls and ``%%ranks`` cells.
 
@@ -226,7 +232,7 @@ class RankPool:
                          "busy": bool(busy) and alive, **memory.get(rank, {})})
         return PoolStatus(rows, self.workers.ended, busy)
 
-    @options.takes_run_options()
+    @options.takes_run_options(fixed=_FIXED)
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any):
         """Run ``fn(ctx, *args, **kwargs)`` on the warm workers; returns a ``Run`` exactly
         as ``nbtrain.launch`` does (same arguments, except that devices, accelerator and
@@ -235,7 +241,7 @@ class RankPool:
 
             {run options}
         """
-        given, kwargs = options.split("pool.launch()", kwargs)
+        given, kwargs = options.split("pool.launch()", kwargs, _FIXED)
         calls.warn_shadowed("pool.launch()", fn, calls.given(RankPool.launch, **given))
         self._check_open()
         request = start.check("pool.launch()", fn, args, kwargs, given)
