@@ -37,6 +37,7 @@ SMALL = {
     "evaluation.py": ("--repeats 1 --epochs 1", "steps counted: 64 of 64"),
     "rank_output.py": ("--repeats 1 --lines 200", "2 ranks"),
     "plan_accuracy.py": ("--models cnn --batches 4", "farthest from 1"),
+    "ray_submit.py": ("--repeats 1", "submit(Ray) / launch()"),
 }
 NEEDS = {"browser.py": "tests/browser/lab.py"}  # what a benchmark needs beyond the extras
 
@@ -50,6 +51,8 @@ def test_the_readme_lists_every_benchmark():
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_benchmark_runs_with_its_smallest_arguments(name, no_leftovers):
     args, expected = SMALL[name]
+    if name == "ray_submit.py":
+        pytest.importorskip("ray", reason="nbtrain[ray] is an extra")
     if name in NEEDS:
         import importlib.util
 
