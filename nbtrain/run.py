@@ -67,9 +67,7 @@ class Run:
     def __init__(self, fn_name: str, strategy, plan, start_method: str,
                  timeout: float | None, sinks: list[Sink] = (), seed: int | None = None):
         self.fn_name = fn_name
-        # The launch's base seed (rank r started from seed + r): launch(..., seed=run.seed)
-        # repeats this run's random numbers.
-        self.seed = seed
+        self.seed = seed  # rank r started from seed + r: launch(seed=run.seed) repeats it
         self.strategy = strategy
         self.accelerator = plan.accelerator
         self.devices = plan.indices
@@ -96,8 +94,10 @@ class Run:
         # Set by nbtrain.listen(): a run of a job elsewhere, watched. It has the job's
         # events (history, summary) but not its results, which stay with the job.
         self.remote: dict | None = None
-        # A one-rank run of the same function this run's summary is measured against.
+        # A one-rank run of the same function this run's summary is measured against, and
+        # launch(planned=...)'s nbtrain.plan(), put beside what the ranks measured.
         self.baseline: Run | None = None
+        self.planned = None
         # launch(max_restarts=...): the checkpoints ctx.save completed, and the restarts
         self.checkpoints: list[str] = []
         self._restarts = Restarts()
@@ -172,15 +172,15 @@ class Run:
         return write([self], path)
 
     def summary(self, baseline: Run | None = None, bandwidth=None) -> Summary:
-        """Per rank: peak memory by category, mean step time and where it went,
-        throughput, communication per step, last metric values; a table. When more
-        devices do not pay, one sentence and what would help (beside ``baseline``, a
-        one-rank run of the same function, or ``run.baseline``: with the speed-up); with
-        ``bandwidth`` (``nbtrain.bandwidth()``), how much of the wait the link explains."""
+        """Per rank: peak memory by category, mean step time and where it went, throughput,
+        communication per step, last metric values; a table. When more devices do not pay,
+        the verdict and what would help (beside ``baseline`` or ``run.baseline``, a one-rank
+        run: with the speed-up); with ``bandwidth`` (``nbtrain.bandwidth()``), how much of
+        the wait the link explains; with ``launch(planned=)``, the plan beside the bytes."""
         baseline = baseline if baseline is not None else self.baseline
         return summarize(self.history, self.world_size, self.strategy, self.accelerator,
                          baseline.summary() if baseline is not None else None, bandwidth,
-                         self.attempts)
+                         self.attempts, self.planned and self.planned.beside(self))
 
     def add_sink(self, sink: Sink) -> None:
         """Send this run's events to ``sink`` too (``on_events(events)``, ``close(run)``)."""

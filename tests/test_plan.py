@@ -196,3 +196,42 @@ def test_a_run_and_its_comparison_put_the_plan_beside_what_was_measured():
         assert row.theory["params"] == planned.params
         assert row.theory["activations"] == planned.activations
     assert "theory/rank" in nbtrain.compare(*runs, display=False).table()
+
+
+def test_a_run_launched_with_its_plan_shows_it_in_its_summary_and_dashboard():
+    from nbtrain.ui.figures import trace_specs
+    from nbtrain.ui.state import LiveState
+
+    plan = nbtrain.plan(mlp_train, devices=2, checkpointing=False, strategies=("ddp", "fsdp"))
+    run = nbtrain.launch(mlp_train, devices=2, accelerator="cpu", strategy="fsdp",
+                         dashboard=False, planned=plan)
+    assert run.planned is plan
+    summary = run.summary()
+    assert summary.planned == plan.beside(run)
+    assert "fsdp, per rank: planned / measured" in str(summary)
+    assert "planned / measured" in summary._repr_html_()
+    row = plan.row("fsdp")
+    state = LiveState.from_run(run)
+    assert state.planned == row.params + row.grads + row.optimizer
+    [mark] = [s for s in trace_specs(state) if s.key == "memory:planned"]
+    assert mark.data["x"] == ["rank 0", "rank 1"] and mark.props["name"] == "planned"
+    # a plan that is not of this run says so before anything starts
+    with pytest.raises(ValueError, match="plan is of 2 ranks and this run has 3"):
+        nbtrain.launch(mlp_train, devices=3, accelerator="cpu", planned=plan)
+    with pytest.raises(ValueError, match=r"no row for 'zero1'.*strategies=\['zero1'"):
+        nbtrain.launch(mlp_train, devices=2, accelerator="cpu", strategy="zero1",
+                       planned=plan)
+    with pytest.raises(TypeError, match="what nbtrain.plan\\(\\) returned"):
+        nbtrain.launch(mlp_train, devices=2, accelerator="cpu", planned={"ddp": 1})
+
+
+def test_the_picker_gives_its_runs_the_plan_it_showed():
+    picker = nbtrain.StrategyPicker(mlp_train, devices=2, accelerator="cpu", display=False,
+                                    strategies_shown=["ddp", "fsdp"], gpu="T4")
+    run = picker.start("fsdp")
+    picker.wait(120)
+    assert run.status == "done" and run.planned is picker.memory
+    assert "planned / measured" in str(run.summary())
+    run = picker.start("ddp", ranks=1)  # the one-rank baseline: not what was planned
+    picker.wait(120)
+    assert run.planned is None

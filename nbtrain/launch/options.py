@@ -82,6 +82,10 @@ class RunOptions:
         (max_restarts + 1)``, 60 to 600 s). A value below the slowest first collective
         (a model built on rank 0 alone, an evaluation on one rank) ends healthy runs.""",
         ranks=True)
+    planned: Any = _option(None, """what ``nbtrain.plan()`` said of this function on these
+        devices: the run's summary puts the plan's row for its strategy beside what the
+        ranks measured, and the dashboard's memory panel marks the planned model state
+        per rank.""")
 
     @classmethod
     def check(cls, given: dict[str, Any]) -> RunOptions:
@@ -106,6 +110,11 @@ class RunOptions:
                                  or wait <= 0):
             raise ValueError(f"collective_timeout={wait!r} must be a positive number of "
                              "seconds (or None: chosen from timeout= and max_restarts).")
+        planned = options.planned
+        if planned is not None and not (callable(getattr(planned, "row", None))
+                                         and hasattr(planned, "world_size")):
+            raise TypeError(f"planned={type(planned).__name__}: give what nbtrain.plan() "
+                            "returned for this function.")
         if options.seed is not None:
             seeding.base_seed(options.seed)  # raises for a seed out of range
         return dataclasses.replace(options, telemetry=Telemetry.from_arg(options.telemetry),

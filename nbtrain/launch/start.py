@@ -125,6 +125,7 @@ def execute(request: Request, plan, backend: Backend) -> Run | None:
                              "--max-restarts); launch() restarts the ranks it starts.")
         request = backend.prepare(request, plan)
         request.strategy.check(plan)
+        _check_planned(request, plan)
         run, view = open_run(request, plan, backend.started_by)
     except BaseException:
         backend.abandon()
@@ -192,11 +193,29 @@ def in_process(accelerator: str) -> tuple[Backend, Any] | None:
     return None
 
 
+def _check_planned(request: Request, plan) -> None:
+    """``planned=``: a plan of as many ranks as this run has, with a row for its strategy."""
+    planned = request.planned
+    if planned is None:
+        return
+    if planned.world_size != plan.world_size:
+        raise ValueError(f"planned=: the plan is of {planned.world_size} ranks and this run "
+                         f"has {plan.world_size}; plan again with devices={plan.world_size}.")
+    strategy = request.strategy
+    try:
+        planned.row(strategy.name, bool(strategy.activation_checkpointing))
+    except KeyError as err:
+        raise ValueError(f"planned=: {err.args[0]}. Plan with strategies=[{strategy.name!r}, "
+                         "...] (and checkpointing=True for activation checkpointing).") \
+            from None
+
+
 def open_run(request: Request, plan, started_by: str):
     """The run's ``Run`` and, unless turned off, its view (the header shows now; nothing
     heavy is built before the ranks start)."""
     run = Run(request.name, request.strategy, plan, started_by, request.timeout,
               request.sinks, seed=request.base_seed)
+    run.planned = request.planned
     view = None
     if request.dashboard is not False and request.telemetry.enabled:
         view = run.open_view(request.dashboard)

@@ -57,6 +57,7 @@ class Summary:
     link: str | None = None
     restarts: list[str] = field(default_factory=list)  # launch(max_restarts=...)'s attempts
     evaluation: str | None = None  # the evaluation passes' time beside the training's
+    planned: str | None = None  # launch(planned=...): the plan's row beside the measured
 
     @property
     def step_time(self) -> float | None:
@@ -150,6 +151,8 @@ class Summary:
             lines.append(self.link)
         if self.evaluation:
             lines.append(self.evaluation)
+        if self.planned:
+            lines.append(self.planned)
         lines += self._restart_lines()
         if self.advice:
             lines.append(self.advice)
@@ -171,6 +174,8 @@ class Summary:
                  if len(self.ranks) > 1 and self.samples_per_s else "", self.time_line() or "",
                  self.link or "", self.evaluation or "", *self._restart_lines()]
         notes = "<br>".join(html.escape(n) for n in notes if n)
+        if self.planned:
+            notes += f"<pre style='margin:4px 0'>{html.escape(self.planned)}</pre>"
         if self.verdict:
             notes += f"<br><b>{html.escape(self.verdict)}</b>" + "".join(
                 f"<br>&nbsp;&nbsp;– {html.escape(r)}" for r in self.remedies)
@@ -194,12 +199,14 @@ def _fmt(value, scale: float, spec: str) -> str:
 
 
 def summarize(history: History, world_size: int, strategy=None, accelerator: str = "cpu",
-              baseline: Summary | None = None, bandwidth=None, attempts=()) -> Summary:
+              baseline: Summary | None = None, bandwidth=None, attempts=(),
+              planned: str | None = None) -> Summary:
     """Per-rank figures of ``history``; with ``strategy`` (what remedies it offers) and
     ``baseline`` (a one-rank run's summary), the verdict on how the ranks scaled; with
     ``bandwidth`` (``nbtrain.bandwidth()``'s sweep), what share of the communication wait
     the link itself explains."""
     summary = Summary(_ranks(history, world_size), restarts=[str(a) for a in attempts],
+                      planned=planned,
                       evaluation=evaluation_line(history))
     if bandwidth is not None:
         summary.link = link_line(summary, bandwidth)

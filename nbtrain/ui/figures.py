@@ -1,17 +1,15 @@
-"""The dashboard's one figure, described as a list of traces and a layout built from a
-``LiveState``.
+"""The dashboard's one figure: a list of traces and a layout built from a ``LiveState``.
 
 Both views draw from ``figure_json(state)`` (``trace_specs`` and ``layout_updates`` as
 plotly.js takes them): the static view makes a plotly figure of it; the live chart
 (``livechart.py``) is sent it whole when it changed.
 
 Up to seven panels — metrics by step, step time, where each rank's step time goes
-(stacked by phase: data, forward, backward, optimizer, communication waited for,
-other; the mean of its last steps, so a straggler or a rank waiting on the others shows),
-samples/s, memory per rank stacked by category, communication per step by op, the CUDA
-allocator's figures — and only those that have data are laid out (three a row), so a
-CPU run shows no CUDA panel. The rules
-that keep it readable:
+(stacked by phase: data, forward, backward, optimizer, communication waited for, other;
+the mean of its last steps, so a straggler or a rank waiting on the others shows),
+samples/s, memory per rank stacked by category (and the plan's, ``launch(planned=)``),
+communication per step by op, the CUDA allocator's figures — and only those that have
+data are laid out (three a row), so a CPU run shows no CUDA panel. What keeps it readable:
 
 - one colour per rank (``RANK_COLORS``) in every panel that has ranks, named once in the
   legend ("rank 0", ...; clicking one hides that rank everywhere); categories of memory
@@ -64,9 +62,7 @@ LAYOUT_ORDER = ("metrics", "step_time", "time", "rate", "memory", "comm", "cuda"
 WARMUP_CLIP = 1.2  # the warm-up mark is drawn at most this × the slowest other step
 LEGEND_RANKS = {"rank": 100, "metric": 200, "warmup": 300, "time": 350, "memory": 400,
                 "cuda": 500, "comm": 600}
-# Between panels, as fractions of the plot area: room for a y-axis' ticks and title so
-# they do not sit on the neighbouring panel.
-H_GAP, V_GAP = 0.11, 0.16
+H_GAP, V_GAP = 0.11, 0.16  # between panels (of the plot area): a y-axis' ticks and title
 COMM_HEADROOM = 1.15  # a constant communication line is drawn below the top edge
 
 
@@ -166,6 +162,14 @@ def trace_specs(state: LiveState) -> list[TraceSpec]:
                 {"x": labels, "y": y, "hovertemplate": f"%{{x}} {category_label(cat)}: %{{y:.3g}} {unit}"
                                                         "<extra></extra>"},
                 (tuple(labels), tuple(y))))
+        if panel == "memory" and state.planned is not None and labels:  # a mark across
+            specs.append(TraceSpec("memory:planned", panel, "marker", {  # each rank's bar
+                "name": "planned", "mode": "markers", "legendrank": LEGEND_RANKS[panel] + 99,
+                "marker": {"symbol": "line-ew-open", "size": 44, "line": {"width": 2,
+                                                                          "color": "#222"}}},
+                {"x": labels, "y": [state.planned / size] * len(labels),
+                 "hovertemplate": f"%{{x}} planned: %{{y:.3g}} {unit}<extra></extra>"},
+                (tuple(labels), state.planned, unit)))
     unit, size = units["comm"]
     for i, op in enumerate(sorted(state.comm)):
         x, y = state.comm[op].points()

@@ -162,10 +162,13 @@ class StrategyPicker:
             self.ranks.value = ranks
         devices = self.devices if self.ranks.value > 1 else (
             [self.plan.indices[0]] if self.plan.accelerator == "cuda" else 1)
-        chosen = strategies.get(name, **self._options(name))
+        options = self._options(name)
+        chosen = strategies.get(name, **options)
         dashboard = Dashboard(display=False)
         kwargs = dict(self.kwargs)
         sinks = [*kwargs.pop("sinks", ()), dashboard]
+        if "planned" not in kwargs and self._plan_is_of(chosen, options):
+            kwargs["planned"] = self.memory  # its summary and memory panel show the plan
         run = launch(self.fn, *self.args, devices=devices, strategy=chosen,
                      background=True, dashboard=False, sinks=sinks, **kwargs)
         dashboard.bind(run)
@@ -200,6 +203,17 @@ class StrategyPicker:
         return Comparison(done) if done else None
 
     # -- widget plumbing ---------------------------------------------------------------
+    def _plan_is_of(self, chosen, options: dict) -> bool:
+        """Whether the plan shown before Run is of this run: its ranks, its strategy, fp32
+        (the plans are of fp32 steps), no offload asked for beside the row's."""
+        if self.memory is None or options or self.ranks.value != self.memory.world_size:
+            return False
+        try:
+            self.memory.row(chosen.name, bool(chosen.activation_checkpointing))
+        except KeyError:
+            return False
+        return True
+
     def _options(self, name: str) -> dict:
         options: dict[str, Any] = {}
         fields = self._fields(name)

@@ -44,6 +44,8 @@ class LiveState:
         self.evaluating: dict[int, tuple[int, int]] = {}  # rank -> (done, batches) of a pass
         self.restarts: list[Restart] = []  # launch(max_restarts=...): where each began
         self.memory: dict[int, dict[str, int]] = {}  # latest bytes by category
+        # launch(planned=...): the plan's model state per rank for the run's strategy
+        self.planned: float | None = None
         self.comm: dict[str, Series] = {}  # op -> bytes per step, first rank that reports
         self.comm_rank: int | None = None
         self.status: dict[int, str] = dict.fromkeys(range(world_size), "starting")
@@ -150,6 +152,10 @@ class LiveState:
             self.status.setdefault(rank, "starting")
         self.started_at = run.started_at
         self.info = run_info(run)
+        planned, strategy = getattr(run, "planned", None), run.strategy
+        if planned is not None:
+            row = planned.row(strategy.name, bool(strategy.activation_checkpointing))
+            self.planned = row.params + row.grads + row.optimizer
 
     @classmethod
     def from_run(cls, run: Run, max_points: int = 400) -> LiveState:
