@@ -10,6 +10,10 @@ machine."""
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 
 import pytest
@@ -69,8 +73,13 @@ def cluster(local):
     from ray.cluster_utils import Cluster
 
     before = {p.pid for p in descendants(os.getpid())}
+    with socket.socket() as s:  # Ray Client's server, for a notebook outside the cluster
+        s.bind(("127.0.0.1", 0))
+        client_port = s.getsockname()[1]
     nodes = Cluster(initialize_head=True,
-                    head_node_args={"num_cpus": 1, "object_store_memory": 80 * MB})
+                    head_node_args={"num_cpus": 1, "object_store_memory": 80 * MB,
+                                    "ray_client_server_port": client_port})
+    nodes.client_address = f"ray://127.0.0.1:{client_port}"
     for _ in range(2):  # three nodes: two ranks, and room for one that loses its node
         nodes.add_node(num_cpus=1, object_store_memory=80 * MB)
     ray.init(address=nodes.address, include_dashboard=False, log_to_driver=False)
@@ -89,11 +98,11 @@ def cluster(local):
 
 
 def alive_ranks() -> list:
-    """The rank actors the cluster's control store still has alive (read from it, as the
-    state API would, without Ray's dashboard)."""
+    """The rank and relay actors the cluster's control store still has alive (read from
+    it, as the state API would, without Ray's dashboard)."""
     actors = ray._private.state.actors()
     return [a for a in actors.values()
-            if a["ActorClassName"] == "_Rank" and a["State"] != "DEAD"]
+            if a["ActorClassName"] in ("_Rank", "Relay") and a["State"] != "DEAD"]
 
 
 def gone(timeout: float = 15.0) -> bool:
@@ -146,6 +155,48 @@ def test_stop_ends_every_rank_and_leaves_nothing(cluster):
     assert run.done and run.status == "stopped"
     assert gone(timeout=10)
     assert time.monotonic() - asked < 20
+
+
+def test_through_a_relay_the_notebook_sees_every_rank_live_without_being_dialled(cluster):
+    """Ray(relay=True): the ranks attach to an actor on the cluster, not to this kernel
+    (its listen_host is an address nothing routes to); their steps still reach the run
+    while it trains, and a stop leaves no rank and no relay."""
+    engine = nbtrain.Ray(placement="STRICT_SPREAD", relay=True, listen_host="192.0.2.1")
+    run = nbtrain.submit(train, sleep=0.05, devices=2, dashboard=False, engine=engine)
+    deadline = time.monotonic() + 120
+    while not list(run.history.events("step", 1)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not run.done and list(run.history.events("step", 0)), "no step arrived live"
+    assert run.remote["relayed"]
+    run.stop()
+    run.wait(timeout=30)
+    assert run.status == "stopped"
+    assert gone(timeout=10)
+
+
+def test_a_notebook_on_ray_client_trains_and_watches_through_the_relay(cluster, local):
+    """A kernel that is not on the cluster (a laptop): Ray Client's address, the relay by
+    default; ddp's weights as launch() gives them, every rank's steps in the run."""
+    code = f"""
+import sys, torch, nbtrain
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_ray import train
+run = nbtrain.submit(train, devices=2, dashboard=False,
+                     engine=nbtrain.Ray({cluster.client_address!r}, placement="STRICT_SPREAD"))
+run.wait(timeout=180)
+torch.save({{"status": run.status, "relayed": run.remote["relayed"], "results": run.results,
+            "steps": [len(list(run.history.events("step", r))) for r in (0, 1)]}}, sys.argv[1])
+"""
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "client.pt")
+        done = subprocess.run([sys.executable, "-c", code, out], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        got = torch.load(out, weights_only=False)
+    assert got["status"] == "done" and got["relayed"] and got["steps"] == [8, 8]
+    for name, value in local["ddp"][0].items():
+        assert torch.allclose(got["results"][0][name], value, atol=1e-6), name
+    assert gone()
 
 
 def test_a_request_the_cluster_cannot_hold_fails_at_submit(cluster):

@@ -19,11 +19,11 @@ process group, the strategies, checkpoints and the per-rank view are nbtrain's r
 already, as under torchrun; Ray Train would set up a second process group and its own
 controller (its trivial fit took 26 s on 2 cores). What this asks of the cluster: the
 notebook's machine joins it (``address`` a cluster's GCS address, ``"auto"``, or None for
-one started here) and its workers reach ``listen_host`` (the kernel's listener). A worker
+one started here) and its workers reach ``listen_host`` (the kernel's listener), or, on
+Ray Client (``"ray://head:10001"``: the notebook outside the cluster), the ranks' events
+go to an actor there that the kernel reads through Ray (``scaleout/relay.py``). A worker
 or a node lost mid-run is an ending ``max_restarts`` restarts from the last checkpoint
-(on storage every node sees), new actors placed where the cluster has room. Not yet: a
-cluster the notebook only reaches through Ray Client or Ray Jobs (a relay actor the ranks
-push to).
+(on storage every node sees), new actors placed where the cluster has room.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from ..outcome import Ending, Teardown
 from ..run import Run
 from ..wire import encode_result
 from .listen import PolledJob, RemoteFailure, Watch
+from .relay import Relay, RelayFeed
 from .torchrun import ATTACH_ENV, RUN_ID_ENV
 
 INSTALL = 'pip install "nbtrain[ray]"'
@@ -60,13 +61,25 @@ class Ray:
     ``address``: the cluster's (``"auto"``, ``"10.0.0.5:6379"``), or None: the one this
     process is connected to, else one started here. ``placement``: the placement group's
     strategy. ``cpus_per_rank``: the CPUs each rank's bundle holds. ``listen_host``: the
-    address the workers reach this kernel at (default: this node's address in Ray)."""
+    address the workers reach this kernel at (default: this node's address in Ray).
+    ``relay``: the ranks' events reach the kernel through an actor on the cluster instead
+    (a notebook the workers cannot dial: Ray Client, NAT); by default when ``address``
+    is Ray Client's, ``"ray://head:10001"``."""
 
     address: str | None = None
     placement: str = "SPREAD"
     cpus_per_rank: float = 1.0
     listen_host: str | None = None
     start_timeout: float = 60.0  # seconds to place every rank
+    relay: bool | None = None  # None: relayed when the address is Ray Client's (ray://)
+
+    @property
+    def relayed(self) -> bool:
+        """The ranks' events come through an actor on the cluster (``scaleout/relay.py``)
+        rather than to a listener in this kernel."""
+        if self.relay is not None:
+            return self.relay
+        return (self.address or "").startswith("ray://")
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -161,14 +174,19 @@ class _RayLaunch:
                                     group, placement_group_bundle_index=i)).remote()
                   for i in range(plan.world_size)]
         job = _RayJob(run, actors, group)
+        watch, run_id = None, uuid.uuid4().hex[:12]
         try:
             where = ray.get([a.where.remote() for a in actors])
-            settings = request.telemetry
-            watch = None
-            if settings.enabled:
+            attach = None
+            if request.telemetry.enabled and self.engine.relayed:  # the ranks attach to an
+                relay = ray.remote(num_cpus=0)(Relay).remote(run_id)  # actor the kernel
+                job.relay(relay)  # reads through Ray: nothing dials the notebook
+                attach = ray.get(relay.address.remote(), timeout=self.engine.start_timeout)
+            elif request.telemetry.enabled:
                 host = self.engine.listen_host or ray.util.get_node_ip_address()
                 watch = Watch(host, 0, dashboard=False)
-            run_id = uuid.uuid4().hex[:12]
+                watch.expect(run_id, job)  # before any rank can say hello
+                attach = watch.address
             master, port = where[0][1], where[0][2]
             refs = []
             for rank, (node, _, _) in enumerate(where):
@@ -178,18 +196,18 @@ class _RayLaunch:
                            "LOCAL_WORLD_SIZE": "1" if gpus else str(len(peers)),
                            "MASTER_ADDR": master, "MASTER_PORT": str(port),
                            RUN_ID_ENV: run_id}
-                if watch is not None:
-                    environ[ATTACH_ENV] = watch.address
+                if attach is not None:
+                    environ[ATTACH_ENV] = attach
                 refs.append(actors[rank].run.remote(self.payload, plan.accelerator,
                                                     request.for_ranks(), environ,
                                                     list(sys.path)))
         except BaseException:
             job.release()
+            if watch is not None:
+                watch.close()
             raise
         job.follow(refs)
-        if watch is not None:
-            watch.expect(run_id, job)
-        run.remote = {"ray": ray.get_runtime_context().gcs_address,
+        run.remote = {"ray": self.engine.address or "local", "relayed": job.feed is not None,
                       "nodes": [w[0] for w in where]}  # each rank's node
         return job, [job.release] + ([watch.close] if watch is not None else [])
 
@@ -243,8 +261,12 @@ class _RayJob(PolledJob):
     def __init__(self, run: Run, actors: list, group):
         super().__init__(run, len(actors), "nbtrain-ray")
         self.actors, self.group = actors, group
+        self.feed: RelayFeed | None = None  # the relay's events, pulled each poll
         self._refs: list = []
         self._released = False
+
+    def relay(self, actor) -> None:
+        self.feed = RelayFeed(self, actor)
 
     def follow(self, refs: list) -> None:
         self._refs = refs
@@ -265,7 +287,7 @@ class _RayJob(PolledJob):
             if self._released:
                 return
             self._released = True
-        for actor in self.actors:
+        for actor in [*self.actors, *([self.feed.actor] if self.feed else [])]:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:
@@ -283,6 +305,7 @@ class _RayJob(PolledJob):
             first_failed = None
             while pending and self.teardown_cause is not Teardown.STOP:
                 ready, _ = ray.wait(list(pending), timeout=POLL_S)
+                self._pull(self.feed.pull if self.feed else None)
                 for ref in ready:
                     self._take(pending.pop(ref), ref)
                 if self.failure is not None:
@@ -291,11 +314,21 @@ class _RayJob(PolledJob):
                     # communication error first: the rank that caused it has a moment)
                     if not self.failure.secondary or time.monotonic() - first_failed > 3:
                         break
+            self._pull(self.feed.drain if self.feed else None)  # the ranks' last events
         except BaseException as err:  # never leave the run waiting
             self.crash = err
         finally:
             self.release()
             self.done.set()
+
+    def _pull(self, take) -> None:
+        """The relay's events, unless the run was stopped (its actor killed meanwhile)."""
+        try:
+            if take is not None and not self._released:
+                take()
+        except Exception:
+            if not self._released:
+                raise
 
     def _take(self, rank: int, ref) -> None:
         import ray
