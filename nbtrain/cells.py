@@ -55,7 +55,10 @@ class busy_while_blocking:
     messages to it; ipykernel answers each with busy, then idle, and the status bar read
     "Idle" while the cell still ran (from about when the live chart appeared). Inside
     this block, every "idle" for another request is followed by a "busy" for the
-    running cell's. Outside an ipykernel, or reentered, it does nothing.
+    running cell's; entering it says "busy" once too, for a request answered between the
+    cell's start and the block's (the frontend's own, as it sets the cell up: seen in CI
+    as a status bar that read "Idle" for a whole run). Outside an ipykernel, or
+    reentered, it does nothing.
     """
 
     _active = False
@@ -83,6 +86,7 @@ class busy_while_blocking:
 
         kernel._publish_status = publish_keeping_busy
         busy_while_blocking._active = True
+        publish("busy", "shell", cell)
 
         def restore():
             kernel._publish_status = publish

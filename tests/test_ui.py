@@ -776,3 +776,31 @@ def test_the_text_view_names_where_a_timed_out_rank_was():
     lines = header_text(state).splitlines()
     assert any(line.startswith("  rank 0 failed: Timeout: the run passed timeout=2s")
                and "; at " in line and "in fail_on: " in line for line in lines), lines
+
+
+def test_a_blocking_cell_reads_busy_from_the_moment_it_blocks(monkeypatch):
+    """busy_while_blocking says "busy" for the cell as it begins (a request the frontend
+    made between the cell's start and the block's was answered "idle", and the status bar
+    read Idle for a whole run in CI), and after each "idle" for another request inside."""
+    from nbtrain import cells
+
+    cell = {"header": {"msg_id": "cell"}}
+    other = {"header": {"msg_id": "widget"}}
+    said = []
+
+    class Kernel:
+        def get_parent(self, channel):
+            return cell
+
+        def _publish_status(self, status, channel, parent=None):
+            said.append((status, (parent or cell)["header"]["msg_id"]))
+
+    kernel = Kernel()
+    monkeypatch.setattr(cells, "current_kernel", lambda: kernel)
+    with cells.busy_while_blocking():
+        assert said == [("busy", "cell")]
+        kernel._publish_status("busy", "shell", other)
+        kernel._publish_status("idle", "shell", other)
+    assert said[1:] == [("busy", "widget"), ("idle", "widget"), ("busy", "cell")]
+    kernel._publish_status("idle", "shell", other)  # after the block: as ipykernel says
+    assert said[-1] == ("idle", "widget")
