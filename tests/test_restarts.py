@@ -70,13 +70,11 @@ def test_a_rank_hung_on_the_default_group_is_ended_at_collective_timeout_and_res
                          collective_timeout=3, timeout=300, **kw)
     assert run.status == "done", run.error
     [attempt] = run.attempts
-    assert attempt.cause.startswith("rank 0") and "Timed out" in attempt.cause, attempt.cause
+    # ended by the group's own timeout, the 3 s given (gloo names it), not the 600 s default
+    assert attempt.cause.startswith("rank 0") and "Timed out waiting 3000ms" in attempt.cause, \
+        attempt.cause
     assert attempt.resume == path and run.results[0]["first"] == 18
     _same_weights(run, whole, strategy)
-    # ended by the group's 3 s, not its 600 s default (a generous bound for teardown)
-    [restart] = run.history.events("restart")
-    before = [e.t for e in run.history.events() if e.kind == "metric" and e.t < restart.t]
-    assert restart.t - max(before) < 60
 
 
 def test_collective_timeout_is_checked_and_a_pool_says_where_it_is_set():
