@@ -44,7 +44,9 @@ def scaling(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] =
     one = [plan.indices[0]] if plan.accelerator == "cuda" else 1
     # on CPU ranks, one of the N: its share of the cores, not the whole machine's
     with threads_as_one_of(plan.world_size):
-        baseline = launch(fn, *args, devices=one, accelerator=plan.accelerator, **kwargs)
+        # (a plan, planned=, is of the N ranks: the baseline is not what it planned)
+        alone = {k: v for k, v in kwargs.items() if k != "planned"}
+        baseline = launch(fn, *args, devices=one, accelerator=plan.accelerator, **alone)
     run = launch(fn, *args, devices=devices, accelerator=plan.accelerator, **kwargs)
     run.baseline = baseline
     return run

@@ -225,6 +225,14 @@ def test_a_run_launched_with_its_plan_shows_it_in_its_summary_and_dashboard():
         nbtrain.launch(mlp_train, devices=2, accelerator="cpu", planned={"ddp": 1})
 
 
+def test_scaling_gives_the_plan_to_the_run_it_planned_not_to_its_baseline():
+    plan = nbtrain.plan(mlp_train, devices=2, checkpointing=False, strategies=("ddp",))
+    run = nbtrain.scaling(mlp_train, devices=2, accelerator="cpu", dashboard=False,
+                          planned=plan)
+    assert run.planned is plan and run.baseline.planned is None
+    assert "ddp, per rank: planned / measured" in str(run.summary())
+
+
 def test_the_picker_gives_its_runs_the_plan_it_showed():
     picker = nbtrain.StrategyPicker(mlp_train, devices=2, accelerator="cpu", display=False,
                                     strategies_shown=["ddp", "fsdp"], gpu="T4")
