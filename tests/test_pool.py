@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 import torch
-from workloads import fail_on, sleeper, train
+from workloads import collections_in_a_rank, fail_on, sleeper, train
 
 import nbtrain
 from nbtrain.launch.pool.op import Quiet
@@ -45,6 +45,16 @@ def test_pool_launch_twice_gives_what_launch_gives(pool):
         assert run.history.metric("loss", rank=0), "the run's telemetry reached its history"
     assert [row["pid"] for row in pool.status] == pids, "the same workers ran both"
     assert pool.started == 1
+
+
+def test_a_pool_worker_collects_everything_again_between_runs(pool):
+    """While a run's function runs, the worker's collector leaves what was there before
+    alone (``test_launch.py``); between runs it is all collectable again, so what one
+    run left in a cycle does not stay for the pool's life."""
+    for _ in range(2):
+        assert all(frozen > 0 for frozen, _ in pool.launch(collections_in_a_rank,
+                                                            dashboard=False).results)
+        assert pool.run("import gc\ngc.get_freeze_count()") == {0: "0", 1: "0"}
 
 
 def test_spawn_pool_starts_once_and_runs_cell_defined_code():

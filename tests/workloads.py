@@ -742,3 +742,15 @@ def device_bound(ctx, steps=6, width=4096, depth=8, batch=8192):
         opt.zero_grad()
         loss.item()
     return steps
+
+
+def collections_in_a_rank(ctx):
+    """How many objects a full collection leaves alone in this rank (frozen), and what it
+    collects of the function's own garbage (a list that holds itself)."""
+    import gc
+
+    frozen = gc.get_freeze_count()
+    cycle: list = []
+    cycle.append(cycle)
+    del cycle
+    return frozen, gc.collect()

@@ -17,8 +17,10 @@ on its control pipe; the kernel passes the port on to the other ranks.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
+import gc
 import os
 import signal
 import sys
@@ -239,7 +241,8 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
         strategy.start_rank(ctx.device)
         from ..integrations.hosting import hosted
 
-        with hosted(fn, ctx, observe_steps=isinstance(fn, CallWithoutCtx)) as activity:
+        observe = isinstance(fn, CallWithoutCtx)
+        with _inherited_frozen(), hosted(fn, ctx, observe_steps=observe) as activity:
             try:
                 result = fn(ctx, *args, **kwargs)
             except SystemExit as exc:  # a script's main() ending: success as under torchrun
@@ -275,6 +278,23 @@ def execute(spec: WorkerSpec, payload: Any, setup=None, telemetry=None, report=N
     if telemetry:
         telemetry.close()  # every event is in the kernel before the result is
     return message
+
+
+@contextlib.contextmanager
+def _inherited_frozen():
+    """While the function runs, the garbage collector leaves alone what was there before
+    it (a forked rank's copy of the kernel: every module, every cell's objects; the
+    function, its arguments, the strategy). A full collection in a rank forked from a
+    kernel otherwise walked all of them, writing to each object's header, so copying the
+    kernel's pages one by one: 150-250 ms in the middle of a step, once every few dozen
+    steps (``benchmarks/scaling.py``'s cases; more in a kernel with more objects). What
+    the function makes is collected as usual; afterwards (a pool's worker lives on) the
+    rest is collectable again."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def exit_hint(exc: SystemExit) -> str:
