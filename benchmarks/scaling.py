@@ -8,10 +8,11 @@ process, one after the other (machines are shared: side by side is what compares
   07 win:      notebook 07's first case (16 layers of 32, batch 2048 per rank)
   07 lose:     notebook 07's second (four 1024-wide layers, batch 8 per rank)
 
-Printed per case: each repeat's speed-up on two ranks, the spread between the repeats
-(largest ÷ smallest - 1), whether any was flagged superlinear, and the verdict's first
-words. Goals: speed-ups ≤ 2.1 on two CPU ranks (or flagged and explained), a spread within
-25 %.
+Printed per case: each repeat's speed-up on two ranks (and in how many rounds
+``scaling()`` measured it: a short function is run again, one rank and two alternately),
+the spread between the repeats (largest ÷ smallest - 1), whether any was flagged
+superlinear, and the verdict's first words. Goals: speed-ups ≤ 2.1 on two CPU ranks (or
+flagged and explained), a spread within 25 %.
 
     python benchmarks/scaling.py [--repeats 2] [--steps 30] [--cases mlp-loader,...]
 """
@@ -19,6 +20,8 @@ words. Goals: speed-ups ≤ 2.1 on two CPU ranks (or flagged and explained), a s
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 
 import torch
 from torch import nn
@@ -68,18 +71,20 @@ def main() -> None:
     unknown = [c for c in names if c not in CASES]
     if unknown:
         parser.error(f"--cases: {unknown} unknown; choose from {list(CASES)}")
-    print(f"{'case':11s} {'speed-ups':24s} {'spread':>7s} {'flagged':>8s}  verdict")
+    print(f"{'case':11s} {'speed-ups/rounds':24s} {'spread':>7s} {'flagged':>8s}  verdict")
     for name in names:
-        speedups, flagged, said = [], False, ""
+        speedups, rounds, flagged, said = [], [], False, ""
         for _ in range(args.repeats):
-            run = nbtrain.scaling(train, devices=2, accelerator="cpu", dashboard=False,
-                                  steps=args.steps, **CASES[name])
+            with contextlib.redirect_stdout(io.StringIO()):  # (its "measuring again")
+                run = nbtrain.scaling(train, devices=2, accelerator="cpu", dashboard=False,
+                                      steps=args.steps, **CASES[name])
             scaling = run.summary().scaling
             speedups.append(scaling.speedup)
+            rounds.append(getattr(scaling, "rounds", 1))  # (before rounds: one)
             flagged |= getattr(scaling, "superlinear", False)  # (before it existed: never)
             said = run.summary().verdict or ""
         spread = max(speedups) / min(speedups) - 1
-        shown = " ".join(f"{s:.2f}×" for s in speedups)
+        shown = " ".join(f"{s:.2f}×/{n}" for s, n in zip(speedups, rounds, strict=True))
         print(f"{name:11s} {shown:24s} {spread:7.0%} {str(flagged):>8s}  {said[:70]}")
 
 

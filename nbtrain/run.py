@@ -91,12 +91,12 @@ class Run:
         self._cell = CellOutput()  # where the ranks' lines and displays go
         self._last_step: dict[int, int] = {}
         self._sinks = SinkDispatcher(list(sinks))
-        # Set by nbtrain.listen(): a run of a job elsewhere, watched. It has the job's
-        # events (history, summary) but not its results, which stay with the job.
+        # nbtrain.listen()'s run of a job elsewhere: its events, not its results (the job's)
         self.remote: dict | None = None
-        # A one-rank run of the same function this run's summary is measured against, and
-        # launch(planned=...)'s nbtrain.plan(), put beside what the ranks measured.
+        # A one-rank run of the same function this run's summary is measured against (and
+        # scaling()'s further rounds of the two, pooled), and launch(planned=)'s plan.
         self.baseline: Run | None = None
+        self.rounds: list[tuple[Run, Run]] = []
         self.planned = None
         # launch(max_restarts=...): the checkpoints ctx.save completed, and the restarts
         self.checkpoints: list[str] = []
@@ -175,12 +175,13 @@ class Run:
         """Per rank: peak memory by category, mean step time and where it went, throughput,
         communication per step, last metric values; a table. When more devices do not pay,
         the verdict and what would help (beside ``baseline`` or ``run.baseline``, a one-rank
-        run: with the speed-up); with ``bandwidth`` (``nbtrain.bandwidth()``), how much of
-        the wait the link explains; with ``launch(planned=)``, the plan beside the bytes."""
+        run, and ``run.rounds``: with the speed-up); with ``bandwidth``, how much of the
+        wait the link explains; with ``launch(planned=)``, the plan beside the bytes."""
+        again = [(b.summary(), n.summary()) for b, n in self.rounds if baseline is None]
         baseline = baseline if baseline is not None else self.baseline
         return summarize(self.history, self.world_size, self.strategy, self.accelerator,
                          baseline.summary() if baseline is not None else None, bandwidth,
-                         self.attempts, self.planned and self.planned.beside(self))
+                         self.attempts, self.planned and self.planned.beside(self), again)
 
     def add_sink(self, sink: Sink) -> None:
         """Send this run's events to ``sink`` too (``on_events(events)``, ``close(run)``)."""

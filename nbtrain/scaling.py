@@ -5,7 +5,10 @@ time went, and, when more devices do not pay, why and what would help
 (``telemetry/advice.py``: like for like, in samples when they are counted, steady state,
 a superlinear result flagged). On CPU ranks the one-device run gets the threads one of
 the N ranks gets, so the figure is what N ranks add, not one process on every core
-against N on a share each."""
+against N on a share each. A short function (less than ``STEADY_SECONDS`` of steady
+steps a side) is measured again, one device and N alternately, and the rounds pooled:
+on a shared machine one round of a few dozen short steps is a sample of the neighbours
+as much as of the code."""
 
 from __future__ import annotations
 
@@ -15,17 +18,21 @@ from typing import Any
 from .launch import launch, options
 from .launch.starting.devices import parse_devices, threads_as_one_of
 from .run import Run
+from .telemetry.advice import MAX_ROUNDS, STEADY_SECONDS
 
 _FIXED = {"background": (False, "it runs its two launches one after the other.")}
 
 
 @options.takes_run_options(fixed=_FIXED)
 def scaling(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] = "auto",
-            accelerator: str = "auto", **kwargs: Any) -> Run:
+            accelerator: str = "auto", rounds: int | None = None, **kwargs: Any) -> Run:
     """Run ``fn(ctx, *args, **kwargs)`` on one device, then on ``devices``; returns the
     second run with ``run.baseline`` set to the first, so ``run.summary()`` (and the
-    summary shown when the run ends) compares them. The run's options (both runs'), as
-    ``launch()``'s:
+    summary shown when the run ends) compares them. ``rounds``: how many times to run
+    the two, alternately (the later rounds without a dashboard or sinks, in
+    ``run.rounds``), their steps pooled; by default one, or up to five while either
+    side has less than 2 s of steady steps (``telemetry/advice.py``). The run's options
+    (each run's), as ``launch()``'s:
 
         {run options}
 
@@ -37,16 +44,48 @@ def scaling(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] =
     """
     given, _ = options.split("scaling()", kwargs, _FIXED)
     options.RunOptions.check(given)  # a bad option fails before the baseline starts
+    if rounds is not None and (type(rounds) is not int or rounds < 1):
+        raise ValueError(f"scaling(rounds={rounds!r}): give a whole number, 1 or more, or "
+                         f"None (the default: more rounds only while a side has less than "
+                         f"{STEADY_SECONDS:g} s of steady steps, {MAX_ROUNDS} at most).")
     plan = parse_devices(devices, accelerator)
     if plan.world_size < 2:
         raise ValueError(f"scaling() compares several devices with one, and devices="
                          f"{devices!r} gives {plan.world_size}: give devices=2 or more.")
     one = [plan.indices[0]] if plan.accelerator == "cuda" else 1
-    # on CPU ranks, one of the N: its share of the cores, not the whole machine's
-    with threads_as_one_of(plan.world_size):
-        # (a plan, planned=, is of the N ranks: the baseline is not what it planned)
-        alone = {k: v for k, v in kwargs.items() if k != "planned"}
-        baseline = launch(fn, *args, devices=one, accelerator=plan.accelerator, **alone)
-    run = launch(fn, *args, devices=devices, accelerator=plan.accelerator, **kwargs)
+
+    def both(opts: dict) -> tuple[Run, Run]:
+        # on CPU ranks, one of the N: its share of the cores, not the whole machine's
+        with threads_as_one_of(plan.world_size):
+            # (a plan, planned=, is of the N ranks: the baseline is not what it planned)
+            alone = {k: v for k, v in opts.items() if k != "planned"}
+            baseline = launch(fn, *args, devices=one, accelerator=plan.accelerator, **alone)
+        return baseline, launch(fn, *args, devices=devices, accelerator=plan.accelerator,
+                                **opts)
+
+    baseline, run = both(kwargs)
     run.baseline = baseline
+    quiet = {**kwargs, "dashboard": False, "sinks": ()}
+    while _more(run, rounds):
+        if not run.rounds:
+            print(f"nbtrain.scaling(): {_measured(run):.2f} s of steady steps a side; "
+                  f"measuring again, one device and {plan.world_size} alternately "
+                  f"(up to {(rounds or MAX_ROUNDS) - 1} more rounds)", flush=True)
+        run.rounds.append(both(quiet))
     return run
+
+
+def _measured(run: Run) -> float:
+    """Seconds of steady steps on the side with fewer, over every round so far."""
+    sides = ([run.baseline, *(b for b, _ in run.rounds)], [run, *(n for _, n in run.rounds)])
+    summaries = [[r.summary() for r in side] for side in sides]
+    return min(sum(d for s in side for d, _ in s.ranks[rank].steady)
+               for side in summaries for rank in range(len(side[0].ranks)))
+
+
+def _more(run: Run, rounds: int | None) -> bool:
+    done = 1 + len(run.rounds)
+    if rounds is not None:
+        return done < rounds
+    # (nothing to pool when the function took no steps ctx saw)
+    return done < MAX_ROUNDS and 0 < _measured(run) < STEADY_SECONDS

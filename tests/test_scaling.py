@@ -4,6 +4,8 @@ training, and nbtrain.bandwidth()."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -73,28 +75,59 @@ def test_too_few_steady_steps_are_said():
     assert "only 8 steady steps on a side: too few" in sentence
 
 
-def test_the_speedup_reads_steady_steps_so_a_stall_does_not_move_it():
-    """The median step after the first tenth: a warm-up step and a 1 s stall (another
-    process on a shared machine) leave the figures where the other 28 steps put them."""
+def steps_history(world, duration, samples, stall=17):
+    """30 steps a rank: a 2 s first step (warm-up), a 1 s stall at ``stall`` (another
+    process on a shared machine), ``duration`` seconds otherwise."""
     from nbtrain.telemetry.events import Step
     from nbtrain.telemetry.history import History
+
+    h = History(0.0)
+    for rank in range(world):
+        for step in range(30):
+            took = 2.0 if step == 0 else 1.0 if step == stall else duration
+            h.append(Step(rank=rank, step=step, t=step + 1.0, duration=took, samples=samples))
+    return h
+
+
+def test_the_speedup_reads_steady_steps_so_a_stall_does_not_move_it():
+    """The undisturbed step after the first tenth: a warm-up step and a 1 s stall leave
+    the figures where the other 28 steps put them."""
     from nbtrain.telemetry.summary import summarize
 
-    def history(world, duration, samples):
-        h = History(0.0)
-        for rank in range(world):
-            for step in range(30):
-                took = 2.0 if step == 0 else 1.0 if step == 17 else duration
-                h.append(Step(rank=rank, step=step, t=step + 1.0, duration=took,
-                              samples=samples))
-        return h
-
-    one = summarize(history(1, 0.010, 8), 1)
-    two = summarize(history(2, 0.012, 8), 2, baseline=one)
+    one = summarize(steps_history(1, 0.010, 8), 1)
+    two = summarize(steps_history(2, 0.012, 8), 2, baseline=one)
     assert two.ranks[0].steady_step_time == 0.012 and two.ranks[0].steady_steps == 27
     assert two.scaling.by_samples and two.scaling.steps == 27
     assert two.scaling.speedup == pytest.approx(2 * 0.010 / 0.012)
     assert two.verdict == "2 ranks gave 1.67× the throughput of one (83% scaling efficiency)."
+
+
+def test_rounds_pool_each_sides_steps_so_a_slowed_round_does_not_move_the_verdict():
+    """A neighbour slowed the whole first one-rank round to 30 ms a step (on a shared
+    2-core machine a round of short steps is slowed 2× for a tenth of a second at a
+    time): pooled with two later rounds at 10 ms, the undisturbed step is 10 ms, the
+    tenth percentile of the rounds' 81 steady steps; a round's median would move."""
+    from nbtrain.telemetry.summary import summarize, undisturbed
+
+    slowed, later = (summarize(steps_history(1, t, 8), 1) for t in (0.030, 0.010))
+    two = [summarize(steps_history(2, 0.012, 8, stall=s), 2) for s in (5, 25)]
+    pooled = summarize(steps_history(2, 0.012, 8), 2, baseline=slowed,
+                       again=[(later, two[0]), (later, two[1])])
+    scaling = pooled.scaling
+    assert scaling.rounds == 3 and scaling.steps == 81 and scaling.by_samples
+    assert scaling.baseline_step_time == 0.010 and scaling.step_time == 0.012
+    assert scaling.speedup == pytest.approx(2 * 0.010 / 0.012)
+    assert pooled.verdict == ("2 ranks gave 1.67× the throughput of one (83% scaling "
+                              "efficiency, 3 rounds of each).")
+    # one round alone is what that round measured
+    assert summarize(steps_history(2, 0.012, 8), 2, baseline=slowed).scaling.speedup == \
+        pytest.approx(2 * 0.030 / 0.012)
+    # the tenth percentile: of 20 steps, the third fastest; of the rates, the third
+    # highest (the same step when every step took 4 samples)
+    assert undisturbed([(t / 1000, 4) for t in reversed(range(1, 21))]) == \
+        (0.003, pytest.approx(4 / 0.003))
+    assert undisturbed([(0.01, 4), (0.02, 0)]) == (0.01, None)  # samples not every step
+    assert undisturbed([]) == (None, None)
 
 
 def test_the_one_rank_run_gets_the_threads_one_of_n_ranks_gets():
@@ -180,9 +213,9 @@ def test_scaling_runs_one_rank_beside_n_and_its_verdict_reads_what_they_measured
     of the two runs' measured step times, and the verdict the one that those measurements
     give (the verdict's logic is tested above, with the measurements it is given). Whether
     two CPU ranks lose to one on a shared 2-core machine is a wall-clock outcome: it was
-    ~0.4 on a quiet one and 1.015 on a fresh CI machine."""
-    run = nbtrain.scaling(wide, devices=2, accelerator="cpu", dashboard=False)
-    assert run.world_size == 2 and run.baseline.world_size == 1
+    ~0.4 on a quiet one and 1.015 on a fresh CI machine. One round: the two runs alone."""
+    run = nbtrain.scaling(wide, devices=2, accelerator="cpu", dashboard=False, rounds=1)
+    assert run.world_size == 2 and run.baseline.world_size == 1 and run.rounds == []
     assert run.baseline.result == run.results[0]  # the threads one of the two ranks got
     summary, baseline = run.summary(), run.baseline.summary()
     scaling = summary.scaling
@@ -205,6 +238,44 @@ def test_scaling_runs_one_rank_beside_n_and_its_verdict_reads_what_they_measured
     notes = nbtrain.compare(run.baseline, run, display=False).scaling_notes()
     assert len(notes) == 1, notes
     assert ("slower than one" in notes[0]) == (scaling.speedup < 1), (notes, scaling)
+
+
+def test_a_short_function_is_measured_again_in_alternating_rounds(capsys, monkeypatch):
+    """12 steps of ~30 ms are well under 2 s a side: by default five rounds, one rank and
+    two alternately, the later ones quiet; the speed-up pools every round's steps. A
+    function with enough steps a side runs once (the floor lowered here to stand in for
+    a long one), and ``rounds=`` says how many outright."""
+    from nbtrain.telemetry.summary import undisturbed
+
+    run = nbtrain.scaling(wide, devices=2, accelerator="cpu", dashboard=False)
+    said = capsys.readouterr().out
+    assert "measuring again, one device and 2 alternately (up to 4 more rounds)" in said
+    assert len(run.rounds) == 4
+    assert [(b.world_size, n.world_size) for b, n in run.rounds] == [(1, 2)] * 4
+    assert all(b.status == n.status == "done" for b, n in run.rounds)
+    ones = [run.baseline, *(b for b, _ in run.rounds)]
+    ns = [run, *(n for _, n in run.rounds)]
+    # one after the other, alternately
+    starts = [r.started_at for pair in zip(ones, ns, strict=True) for r in pair]
+    assert starts == sorted(starts)
+    scaling = run.summary().scaling
+    assert scaling.rounds == 5 and scaling.steps == 5 * 11 and not scaling.too_few
+    assert (scaling.baseline_step_time, scaling.baseline_samples_per_s) == undisturbed(
+        [x for r in ones for x in r.summary().ranks[0].steady])
+    assert scaling.step_time == max(
+        undisturbed([x for r in ns for x in r.summary().ranks[rank].steady])[0]
+        for rank in (0, 1))
+    assert "5 rounds of each" in run.summary().verdict
+    # a summary against another baseline is that baseline's alone
+    assert run.summary(baseline=run.baseline).scaling.rounds == 1
+
+    monkeypatch.setattr(sys.modules["nbtrain.scaling"], "STEADY_SECONDS", 0.01)
+    assert nbtrain.scaling(wide, devices=2, accelerator="cpu", dashboard=False).rounds == []
+    assert len(nbtrain.scaling(wide, devices=2, accelerator="cpu", dashboard=False,
+                               rounds=2, steps=3).rounds) == 1
+    for bad in (0, 1.5, True, "auto"):
+        with pytest.raises(ValueError, match="rounds="):
+            nbtrain.scaling(wide, devices=2, accelerator="cpu", rounds=bad)
 
 
 def test_a_loop_without_the_loader_counts_its_samples_with_ctx_log():

@@ -8,8 +8,10 @@ or ``ctx.log(samples=n)``): right whether each rank takes the batch it is given 
 scaling, as data parallelism is used) or a share of a global batch. Without samples, it
 is N × (one rank's step time / an N-rank step's time), which holds only when each rank
 does one rank's work per step: the sentence says so. Both sides are steady state (the
-median step after the first tenth, warm-up left out); fewer than ``MIN_STEPS`` steady
-steps on a side are said to be too few. An efficiency above ``SUPERLINEAR`` is flagged
+steps after the first tenth, warm-up left out) and undisturbed (their tenth percentile:
+a shared machine only slows steps); fewer than ``MIN_STEPS`` steady steps on a side are
+said to be too few, and ``scaling()`` measures a short function again, in alternating
+rounds, until each side has ``STEADY_SECONDS`` of steps or ``MAX_ROUNDS`` rounds. An efficiency above ``SUPERLINEAR`` is flagged
 with its likely cause, never called a win: N devices cannot do more than N times one's
 work unless the one-rank run was slowed, or each rank did less.
 """
@@ -25,6 +27,11 @@ COMM_HEAVY = 0.25
 DATA_HEAVY = 0.2
 SUPERLINEAR = 1.1  # above: more than N times one's throughput, to be explained
 MIN_STEPS = 20  # steady steps a side needs for a speed-up worth reading
+# scaling(): a side with less than this of steady steps is measured again, one rank and
+# N alternately, up to MAX_ROUNDS rounds in all (benchmarks/scaling.py: on 2 shared
+# cores one round of 30 short steps wandered 2× between repeats; five, pooled, ≤ 15 %)
+STEADY_SECONDS = 2.0
+MAX_ROUNDS = 5
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,7 @@ class Scaling:
     samples_per_s: float | None = None  # the N-rank run's, every rank together
     baseline_samples_per_s: float | None = None
     steps: int | None = None  # steady steps measured, the fewer of the two sides
+    rounds: int = 1  # scaling()'s rounds of the two, pooled (a short function's)
 
     @property
     def by_samples(self) -> bool:
@@ -60,9 +68,14 @@ class Scaling:
     def too_few(self) -> bool:
         return self.steps is not None and self.steps < MIN_STEPS
 
+    @property
+    def efficiency_said(self) -> str:
+        rounds = f", {self.rounds} rounds of each" if self.rounds > 1 else ""
+        return f"{self.efficiency:.0%} scaling efficiency{rounds}"
+
     def line(self) -> str:
         return (f"{self.world_size} ranks gave {self.speedup:.2f}× the throughput of one "
-                f"({self.efficiency:.0%} scaling efficiency)")
+                f"({self.efficiency_said})")
 
     def caveats(self) -> list[str]:
         """What makes the figure less than like for like, said beside it."""
@@ -104,8 +117,8 @@ def verdict(world_size: int, comm_share: float | None, data_share: float | None,
             return _with(sentence, said[1:] if not scaling.by_samples else said), []
         if scaling.speedup < 1:
             sentence = (f"{world_size} ranks were slower than one: {scaling.speedup:.2f}× "
-                        f"one rank's throughput ({scaling.efficiency:.0%} scaling "
-                        "efficiency)" + (f", and {waited}." if waited else "."))
+                        f"one rank's throughput ({scaling.efficiency_said})"
+                        + (f", and {waited}." if waited else "."))
         elif scaling.efficiency < EFFICIENT:
             sentence = (f"{scaling.line()}, below {EFFICIENT:.0%}"
                         + (f": {waited}." if waited else "."))

@@ -30,11 +30,16 @@ class RankSummary:
     # mean seconds per step in each phase (telemetry/timing.py), same steps as step_time
     phases: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)  # last value of each
-    # steady state, for a speed-up (advice.py): the median step after the first tenth,
-    # its samples per second when the steps counted samples, and how many steps
+    # steady state, for a speed-up (advice.py): the steps after the first tenth, as
+    # (seconds, samples); their undisturbed step (the tenth percentile: a shared machine
+    # only ever slows a step) and its samples per second when the steps counted samples
+    steady: list[tuple[float, int]] = field(default_factory=list, repr=False)
     steady_step_time: float | None = None
     steady_samples_per_s: float | None = None
-    steady_steps: int = 0
+
+    @property
+    def steady_steps(self) -> int:
+        return len(self.steady)
 
     @property
     def model_bytes(self) -> int:
@@ -200,9 +205,10 @@ def _fmt(value, scale: float, spec: str) -> str:
 
 def summarize(history: History, world_size: int, strategy=None, accelerator: str = "cpu",
               baseline: Summary | None = None, bandwidth=None, attempts=(),
-              planned: str | None = None) -> Summary:
+              planned: str | None = None, again=()) -> Summary:
     """Per-rank figures of ``history``; with ``strategy`` (what remedies it offers) and
-    ``baseline`` (a one-rank run's summary), the verdict on how the ranks scaled; with
+    ``baseline`` (a one-rank run's summary; ``again``, more rounds of the two as
+    (one rank, N ranks) summaries), the verdict on how the ranks scaled; with
     ``bandwidth`` (``nbtrain.bandwidth()``'s sweep), what share of the communication wait
     the link itself explains."""
     summary = Summary(_ranks(history, world_size), restarts=[str(a) for a in attempts],
@@ -211,7 +217,7 @@ def summarize(history: History, world_size: int, strategy=None, accelerator: str
     if bandwidth is not None:
         summary.link = link_line(summary, bandwidth)
     if baseline is not None:
-        summary.scaling = scaling_of(summary, baseline)
+        summary.scaling = scaling_of(summary, baseline, again)
     fewer = strategy.fewer_bytes(accelerator) if hasattr(strategy, "fewer_bytes") else []
     data = [r.share("data") for r in summary.ranks if r.share("data") is not None]
     summary.verdict, summary.remedies = verdict(world_size, summary.comm_share,
@@ -220,20 +226,43 @@ def summarize(history: History, world_size: int, strategy=None, accelerator: str
     return summary
 
 
-def scaling_of(summary: Summary, baseline: Summary) -> Scaling | None:
+def undisturbed(steady: list[tuple[float, int]]) -> tuple[float | None, float | None]:
+    """``(seconds, samples per second)`` of the undisturbed step among ``steady``'s
+    (seconds, samples): the tenth percentile of the times, the ninetieth of the rates
+    (None unless every step counted samples). Not the median: on a shared machine a
+    neighbour only ever slows a step, by up to 2× for a tenth of a second at a time on a
+    2-core one, so the median moved with whatever else ran (``benchmarks/scaling.py``:
+    two repeats of five pooled rounds 30 % apart by the median, 19 % by the lower
+    quartile, 7 % by the tenth percentile)."""
+    times = sorted(d for d, _ in steady)
+    if not times:
+        return None, None
+    rates = sorted((n / d for d, n in steady if n and d > 0), reverse=True)
+    return (times[len(times) // 10],
+            rates[len(rates) // 10] if rates and len(rates) == len(times) else None)
+
+
+def scaling_of(summary: Summary, baseline: Summary,
+               again: list[tuple[Summary, Summary]] = ()) -> Scaling | None:
     """``summary``'s N ranks beside ``baseline``'s one, both in steady state: the
-    slowest rank's median step, the ranks' samples per second summed (when every rank
-    of both counted samples)."""
-    times = [r.steady_step_time for r in summary.ranks if r.steady_step_time]
-    one = [r.steady_step_time for r in baseline.ranks if r.steady_step_time]
-    if not times or not one:
+    slowest rank's undisturbed step, the ranks' samples per second summed (when every
+    rank of both counted samples). ``again``: more rounds of the two, (one rank, N
+    ranks), measured after them (``scaling()``, when a run is short): each side's steps
+    pooled over every round."""
+    ones, ns = [baseline, *(b for b, _ in again)], [summary, *(n for _, n in again)]
+    if any(len(s.ranks) != len(summary.ranks) for s in ns):
+        raise ValueError("scaling_of(): every round's N-rank run needs the same ranks.")
+    pooled = [undisturbed([x for s in ns for x in s.ranks[r].steady])
+              for r in range(len(summary.ranks))]
+    one = undisturbed([x for s in ones for x in s.ranks[0].steady])
+    if not one[0] or not all(t for t, _ in pooled):
         return None
-    rates = [r.steady_samples_per_s for r in summary.ranks]
-    base = [r.steady_samples_per_s for r in baseline.ranks]
-    counted = all(rates) and all(base)
-    steps = min(r.steady_steps for r in [*summary.ranks, *baseline.ranks] if r.steady_steps)
-    return Scaling(len(summary.ranks), max(times), one[0],
-                   sum(rates) if counted else None, base[0] if counted else None, steps)
+    counted = one[1] is not None and all(rate for _, rate in pooled)
+    steps = min(sum(s.ranks[r].steady_steps for s in side) for side in (ones, ns)
+                for r in range(len(side[0].ranks)))
+    return Scaling(len(summary.ranks), max(t for t, _ in pooled), one[0],
+                   sum(rate for _, rate in pooled) if counted else None,
+                   one[1] if counted else None, steps, rounds=len(ones))
 
 
 def evaluation_line(history: History, rank: int = 0) -> str | None:
@@ -294,14 +323,8 @@ def _ranks(history: History, world_size: int) -> list[RankSummary]:
             s.step_time = total / len(timed)
             samples = sum(e.samples for e in timed)
             s.samples_per_s = samples / total if total > 0 and samples else None
-            steady = sorted(steps[max(1, len(steps) // 10):], key=lambda e: e.duration)
-            if steady:
-                middle = steady[len(steady) // 2]
-                s.steady_step_time, s.steady_steps = middle.duration, len(steady)
-                counted = sorted(e.samples / e.duration for e in steady
-                                 if e.samples and e.duration > 0)
-                if len(counted) == len(steady):
-                    s.steady_samples_per_s = counted[len(counted) // 2]
+            s.steady = [(e.duration, e.samples) for e in steps[max(1, len(steps) // 10):]]
+            s.steady_step_time, s.steady_samples_per_s = undisturbed(s.steady)
             measured = [e for e in timed if e.phases]
             if measured:
                 s.phases = {k: sum(e.phases.get(k, 0.0) for e in measured) / len(measured)
