@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from .rehearsal import Trace, rehearse
 from .strategies.base import Strategy
+from .strategies.deepspeed.runtime import available
 from .strategies.registry import get
 from .units import format_bytes
 
@@ -41,6 +42,14 @@ MARGIN = 0.05  # of the rest: the caching allocator's rounding and fragmentation
 # same with activation checkpointing (recomputing the forward costs a third more
 # compute), offload last.
 STRATEGIES = ("ddp", "zero1", "fsdp_grad_op", "fsdp", "fsdp_offload")
+# DeepSpeed's stages, planned too when it is installed; picked after torch's own
+DEEPSPEED = ("deepspeed_stage_1", "deepspeed", "deepspeed_stage_3",
+             "deepspeed_stage_2_offload", "deepspeed_stage_3_offload")
+
+
+def default_strategies() -> tuple[str, ...]:
+    """``STRATEGIES``, and ``DEEPSPEED`` where DeepSpeed is installed."""
+    return STRATEGIES + (DEEPSPEED if available() else ())
 
 
 @dataclass(frozen=True)
@@ -77,9 +86,10 @@ class Plan:
     @property
     def pick(self) -> Row | None:
         """The first row, in ``STRATEGIES``' order (without, then with checkpointing,
-        offload last), that fits; None when none does or there is no device."""
+        DeepSpeed's after torch's own, offload last), that fits; None when none does or
+        there is no device."""
         fitting = [r for r in self.rows if r.fits]
-        order = {name: i for i, name in enumerate(STRATEGIES)}
+        order = {name: i for i, name in enumerate(STRATEGIES + DEEPSPEED)}
         return min(fitting, key=lambda r: (r.offload, r.checkpointing,
                                            order.get(r.strategy, len(order))), default=None)
 
@@ -231,7 +241,8 @@ def plan(fn: Callable, *args, devices: int | str | list[int] = 2,
     option such as ``activation_checkpointing=`` applies to every strategy planned; the
     run's own options, ``timeout=``, ``dashboard=``, ..., are taken and change nothing);
     ``fn`` is rehearsed on the meta device up to its second optimizer step (module
-    docstring). ``strategies``: the names to plan (by default ``STRATEGIES``).
+    docstring). ``strategies``: the names to plan (by default ``STRATEGIES``, and
+    DeepSpeed's stages where it is installed).
     ``checkpointing``: also plan each with activation checkpointing of the model's
     blocks. ``bandwidth``: the bytes/s a rank sends at (``nbtrain.bandwidth``'s bus
     bandwidth, or a link's ceiling) gives the least time a step's communication takes."""
@@ -248,7 +259,7 @@ def plan(fn: Callable, *args, devices: int | str | list[int] = 2,
     device, usable = usable_bytes(gpu)
     seed = kwargs.pop("seed", None) or 0
     kwargs = {k: v for k, v in kwargs.items() if k not in NAMES}
-    chosen = {name: get(name) for name in (strategies or STRATEGIES)}
+    chosen = {name: get(name) for name in (strategies or default_strategies())}
     named = _parameters(fn)
     options = {k: kwargs.pop(k) for k in list(kwargs) if k not in named and any(
         k in options_of(s) for s in chosen.values())}
@@ -279,4 +290,4 @@ def _parameters(fn: Callable) -> set[str]:
         return set()
 
 
-__all__ = ["GPUS", "Plan", "Row", "plan"]
+__all__ = ["DEEPSPEED", "GPUS", "STRATEGIES", "Plan", "Row", "plan"]

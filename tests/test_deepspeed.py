@@ -66,6 +66,77 @@ def test_memory_by_category_is_deepspeeds_partitions(strategy, sharded):
     assert strategy in comparison.table() and "theory" in comparison.table().lower()
 
 
+@pytest.mark.parametrize("kind", ["mlp", "gpt2"])
+@pytest.mark.parametrize("strategy", ["deepspeed_stage_1", "deepspeed", "deepspeed_stage_3"])
+def test_the_plan_counts_deepspeeds_partitions_as_a_run_measures_them(strategy, kind):
+    """To the byte: stages 1 and 2 flatten the trained parameters into one buffer padded
+    to a multiple of 2N elements (the MLP's 84,681 to 84,684), stage 3 gives each
+    parameter ceil(numel / N) elements; the optimizer holds the fp32 master partition
+    beside its own state of it."""
+    from test_plan import measured, mlp_train
+
+    args, options = ((mlp_train,), {}) if kind == "mlp" else ((fit, "gpt2"), {"steps": 3})
+    row = nbtrain.plan(*args, devices=2, strategies=(strategy,), checkpointing=False,
+                       **options).row(strategy)
+    got = measured(*args, strategy=strategy, **options)
+    for key in ("params", "grads", "optimizer"):
+        assert getattr(row, key) == got[key], (key, getattr(row, key), got[key])
+    assert row.activations == pytest.approx(got["activations"], rel=0.10)
+    assert row.peak >= row.params + row.grads + row.optimizer + row.activations
+
+
+def test_the_gradient_bucket_is_the_models_size_not_800_mb():
+    """Every stage allocated a gradient bucket of reduce_bucket_size fp32 elements in
+    backward (stage 3 keeps it): 2e8, 800 MB a rank, beside a model of 4k parameters.
+    Now the trainable parameters' count (the whole model in one bucket, as before), or
+    your config's; the plan's peak counts it."""
+    def bucket(ctx):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
+        model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        ctx.backward(model(torch.randn(4, 64)).sum())
+        opt.step()
+        return [b.buffer.numel() for b in model.optimizer.ipg_buckets.values()]
+
+    n = 64 * 64 + 64 + 64 * 2 + 2
+    run = nbtrain.launch(bucket, devices=2, accelerator="cpu", strategy="deepspeed_stage_3",
+                         dashboard=False)
+    assert run.results == [[n], [n]]
+    model = torch.nn.Linear(64, 64)
+    for name in ("deepspeed_stage_1", "deepspeed", "deepspeed_stage_3"):
+        strategy = nbtrain.strategies.get(name)
+        assert strategy.reduce_bucket(model) == 64 * 64 + 64
+        assert strategy.gathered(model, 2) >= 4 * (64 * 64 + 64)
+        config = strategy.ds_config(type("Host", (), {"device": torch.device("cpu")}), model)
+        assert config["zero_optimization"]["reduce_bucket_size"] == 64 * 64 + 64
+    huge = torch.nn.Linear(1, 1)
+    huge.weight = torch.nn.Parameter(torch.empty(3 * 10**8, 1, device="meta"))
+    assert nbtrain.strategies.get("deepspeed").reduce_bucket(huge) == ds.BUCKET
+    yours = nbtrain.strategies.get("deepspeed", config={"zero_optimization": {
+        "reduce_bucket_size": 1000}})
+    assert yours.reduce_bucket(model) == 1000
+
+
+def test_a_plan_has_deepspeeds_rows_and_picks_torchs_own_first():
+    from test_plan import mlp_train
+
+    from nbtrain.planner import DEEPSPEED, STRATEGIES
+
+    plan = nbtrain.plan(mlp_train, devices=2, gpu="T4", checkpointing=False)
+    assert [r.strategy for r in plan.rows] == list(STRATEGIES + DEEPSPEED)
+    assert plan.pick.strategy == "ddp"
+    offloaded = [r for r in plan.rows if r.offload]
+    assert {r.strategy for r in offloaded} == {"fsdp_offload", "deepspeed_stage_2_offload",
+                                               "deepspeed_stage_3_offload"}
+    stage_2 = plan.row("deepspeed_stage_2_offload")
+    assert (stage_2.grads, stage_2.optimizer) == (0, 0) and stage_2.params > 0
+    assert plan.row("deepspeed_stage_3_offload").params == 0
+    # the ZeRO paper's bytes: stages 1 and 2 as DDP's, stage 3 half as much again
+    assert plan.row("deepspeed").sent == plan.row("ddp").sent
+    assert plan.row("deepspeed_stage_3").sent == pytest.approx(1.5 * plan.row("ddp").sent)
+    text = str(plan)
+    assert "deepspeed_stage_3" in text and text.startswith("Use ddp")
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "cnn"])
 def test_init_module_gives_plain_constructions_weights(kind, references):
     run = nbtrain.launch(fit, kind, steps=3, meta=True, devices=2, accelerator="cpu",

@@ -34,7 +34,12 @@ from .runtime import (
 if TYPE_CHECKING:
     from ...deviceplan import DevicePlan
 
-BUCKET = int(2e8)  # Lightning's reduce and all-gather bucket sizes
+# Lightning's reduce and all-gather bucket sizes, in elements. Every ZeRO stage allocates
+# a gradient bucket of reduce_bucket_size fp32 elements for the backward (stage 3 keeps
+# it), whatever the model's size: 800 MB a rank at 2e8, measured beside a model of 4k
+# parameters. nbtrain asks for no more than the trainable parameters (all of them in one
+# bucket, as 2e8 puts a smaller model), unless your config sets it.
+BUCKET = int(2e8)
 
 
 def merge(base: dict, over: dict) -> dict:
@@ -131,8 +136,72 @@ class DeepSpeed(Strategy):
         if self.sync_batchnorm:
             raise ValueError("sync_batchnorm=True is not supported under DeepSpeed here.")
 
-    def ds_config(self, ctx: Host) -> dict:
-        zero: dict[str, Any] = {"stage": self.stage, "reduce_bucket_size": BUCKET,
+    @property
+    def offload(self) -> bool:
+        """Model state kept in CPU memory (``nbtrain.plan`` counts it off the device and
+        picks it last)."""
+        return self.offload_optimizer or self.offload_parameters
+
+    def reduce_bucket(self, module: nn.Module | None = None) -> int:
+        """The elements of the gradient bucket DeepSpeed allocates (``BUCKET``'s note):
+        your config's, else the trainable parameters' up to ``BUCKET``."""
+        given = ((self.config or {}).get("zero_optimization") or {}).get("reduce_bucket_size")
+        if given is not None:
+            return int(given)
+        if module is None:
+            return BUCKET
+        return max(1, min(BUCKET, sum(p.numel() for p in module.parameters()
+                                      if p.requires_grad)))
+
+    def held(self, sizes, world_size: int) -> dict[str, float]:
+        """What a run measures on a rank's device between steps (``state.memory_tensors``):
+        the parameters whole (stage 3: each one's 1/N, as ``ds_tensor``), the fp32
+        gradients of the rank's partition, and in the optimizer the fp32 master partition
+        beside the optimizer's state of it; what is offloaded, nothing."""
+        trained = [s for s in sizes if s.grad_bytes and s.numel]
+        if self.stage == 3:  # each parameter's ceil(numel / N) elements
+            share = {id(s): -(-s.numel // world_size) / s.numel for s in sizes if s.numel}
+            params = sum(s.param_bytes * share[id(s)] for s in sizes if s.numel)
+            part = sum(s.numel * share[id(s)] for s in trained)
+            state = sum(s.state_bytes * share[id(s)] for s in trained)
+        else:  # one flat buffer, padded to a multiple of 2N elements (its NCCL alignment;
+            # per parameter group, so under 2N elements a group more than this)
+            n = sum(s.numel for s in trained)
+            padded = -(-n // (2 * world_size)) * 2 * world_size
+            size = trained[0].param_bytes / trained[0].numel if trained else 4
+            params = sum(s.param_bytes for s in sizes) + (padded - n) * size
+            part = padded / world_size
+            state = sum(s.state_bytes for s in trained) * part / n if n else 0.0
+        return {"params": 0.0 if self.offload_parameters else float(params),
+                "grads": 0.0 if self.offload_optimizer else 4.0 * part,
+                "optimizer": 0.0 if self.offload_optimizer else 4.0 * part + state}
+
+    def gathered(self, model: nn.Module, world_size: int) -> float:
+        """At the peak, beyond ``held``: the fp32 gradient bucket (``reduce_bucket``); at
+        stage 3 also the parameters gathered for the modules running and prefetched (up
+        to ``stage3_prefetch_bucket_size`` elements ahead: for most models a notebook
+        trains, all of them), less the rank's own share."""
+        total = sum(p.numel() for p in model.parameters())
+        extra = 4.0 * self.reduce_bucket(model)
+        if self.stage == 3:
+            size = max((p.element_size() for p in model.parameters()), default=4)
+            largest = max((sum(p.numel() for p in m.parameters(recurse=False))
+                           for m in model.modules()), default=0)
+            live = min(total, BUCKET + largest) * size
+            extra += live * (1.0 if self.offload_parameters else 1 - 1 / world_size)
+        return extra
+
+    def sent(self, model: nn.Module, world_size: int) -> float:
+        """As the ZeRO paper counts it: the gradients reduced to their partitions' owners
+        and the updated parameters gathered back (stages 1 and 2, DDP's bytes); at stage 3
+        the parameters gathered twice, for forward and for backward."""
+        grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        return (world_size - 1) / world_size * (grads + params * (2 if self.stage == 3 else 1))
+
+    def ds_config(self, ctx: Host, module: nn.Module | None = None) -> dict:
+        bucket = self.reduce_bucket(module)
+        zero: dict[str, Any] = {"stage": self.stage, "reduce_bucket_size": bucket,
                                 "allgather_bucket_size": BUCKET}
         pin = ctx.device.type == "cuda"
         if self.offload_optimizer:
@@ -181,7 +250,7 @@ class DeepSpeed(Strategy):
         engine, optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizers[0] if optimizers else None,
             model_parameters=None if optimizers else list(module.parameters()),
-            config=self.ds_config(ctx))
+            config=self.ds_config(ctx, module))
         remember(engine)
         if self.stage == 3:
             _explain_module_order(engine)
