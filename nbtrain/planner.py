@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from .rehearsal import Trace, rehearse
 from .strategies.base import Strategy
-from .strategies.deepspeed.runtime import available
 from .strategies.registry import get
 from .units import format_bytes
 
@@ -49,7 +48,7 @@ DEEPSPEED = ("deepspeed_stage_1", "deepspeed", "deepspeed_stage_3",
 
 def default_strategies() -> tuple[str, ...]:
     """``STRATEGIES``, and ``DEEPSPEED`` where DeepSpeed is installed."""
-    return STRATEGIES + (DEEPSPEED if available() else ())
+    return STRATEGIES + tuple(name for name in DEEPSPEED if get(name).installed())
 
 
 @dataclass(frozen=True)

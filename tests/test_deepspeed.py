@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -135,6 +136,17 @@ def test_a_plan_has_deepspeeds_rows_and_picks_torchs_own_first():
     assert plan.row("deepspeed_stage_3").sent == pytest.approx(1.5 * plan.row("ddp").sent)
     text = str(plan)
     assert "deepspeed_stage_3" in text and text.startswith("Use ddp")
+
+
+def test_without_deepspeed_the_plan_is_of_torchs_strategies(monkeypatch):
+    from test_plan import mlp_train
+
+    from nbtrain.planner import STRATEGIES
+
+    monkeypatch.setattr(sys.modules["nbtrain.strategies.deepspeed.strategy"], "available",
+                        lambda: False)
+    plan = nbtrain.plan(mlp_train, devices=2, checkpointing=False)
+    assert [r.strategy for r in plan.rows] == list(STRATEGIES)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "cnn"])

@@ -258,6 +258,10 @@ class Strategy:
         """Among how many ranks what it shards is divided (hybrid sharding: a group)."""
         return world_size
 
+    def installed(self) -> bool:
+        """Whether what this strategy runs on is installed (DeepSpeed's is an extra)."""
+        return True
+
     def fewer_bytes(self, accelerator: str) -> list[str]:
         """What would make this strategy communicate less per step, each one argument
         away (the run's summary names them when communication costs the ranks)."""

@@ -136,6 +136,9 @@ class DeepSpeed(Strategy):
         if self.sync_batchnorm:
             raise ValueError("sync_batchnorm=True is not supported under DeepSpeed here.")
 
+    def installed(self) -> bool:
+        return available()
+
     @property
     def offload(self) -> bool:
         """Model state kept in CPU memory (``nbtrain.plan`` counts it off the device and
