@@ -289,7 +289,9 @@ def _inherited_frozen():
     kernel's pages one by one: 150-250 ms in the middle of a step, once every few dozen
     steps (``benchmarks/scaling.py``'s cases; more in a kernel with more objects). What
     the function makes is collected as usual; afterwards (a pool's worker lives on) the
-    rest is collectable again."""
+    rest is collectable again. (So cyclic garbage among what was there before, a model a
+    pool's cell made and the function drops, say, goes when the run ends, not at the
+    function's own ``gc.collect()``; what reference counting frees goes at once.)"""
     gc.freeze()
     try:
         yield
