@@ -66,9 +66,9 @@ def scaling(fn: Callable[..., Any], *args: Any, devices: int | str | list[int] =
     baseline, run = both(kwargs)
     run.baseline = baseline
     quiet = {**kwargs, "dashboard": False, "sinks": ()}
-    while _more(run, rounds):
+    while more_rounds(1 + len(run.rounds), measured := _measured(run), rounds):
         if not run.rounds:
-            print(f"nbtrain.scaling(): {_measured(run):.2f} s of steady steps a side; "
+            print(f"nbtrain.scaling(): {measured:.2f} s of steady steps a side; "
                   f"measuring again, one device and {plan.world_size} alternately "
                   f"(up to {(rounds or MAX_ROUNDS) - 1} more rounds)", flush=True)
         run.rounds.append(both(quiet))
@@ -83,9 +83,11 @@ def _measured(run: Run) -> float:
                for side in summaries for rank in range(len(side[0].ranks)))
 
 
-def _more(run: Run, rounds: int | None) -> bool:
-    done = 1 + len(run.rounds)
+def more_rounds(done: int, measured: float, rounds: int | None) -> bool:
+    """Whether to run the pair again after ``done`` rounds that measured ``measured``
+    seconds of steady steps on their shorter side: ``rounds`` if given, else while under
+    ``STEADY_SECONDS`` and ``MAX_ROUNDS`` (never when no step was measured: nothing to
+    pool)."""
     if rounds is not None:
         return done < rounds
-    # (nothing to pool when the function took no steps ctx saw)
-    return done < MAX_ROUNDS and 0 < _measured(run) < STEADY_SECONDS
+    return done < MAX_ROUNDS and 0 < measured < STEADY_SECONDS

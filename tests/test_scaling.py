@@ -240,13 +240,28 @@ def test_scaling_runs_one_rank_beside_n_and_its_verdict_reads_what_they_measured
     assert ("slower than one" in notes[0]) == (scaling.speedup < 1), (notes, scaling)
 
 
+def test_more_rounds_while_a_side_is_short_of_steady_seconds():
+    """The decision, from given measurements (seconds of steady steps on the shorter
+    side), not from a machine's speed."""
+    from nbtrain.scaling import more_rounds
+    from nbtrain.telemetry.advice import MAX_ROUNDS, STEADY_SECONDS
+
+    assert more_rounds(1, 0.06, None) and more_rounds(MAX_ROUNDS - 1, 0.5, None)
+    assert not more_rounds(MAX_ROUNDS, 0.5, None)  # at most five in all
+    assert not more_rounds(1, STEADY_SECONDS, None)  # a long function: once
+    assert not more_rounds(1, 0.0, None)  # no steps measured: nothing to pool
+    assert more_rounds(1, 60.0, 2) and not more_rounds(2, 0.01, 2)  # rounds= decides
+
+
 def test_a_short_function_is_measured_again_in_alternating_rounds(capsys, monkeypatch):
-    """12 steps of ~30 ms are well under 2 s a side: by default five rounds, one rank and
-    two alternately, the later ones quiet; the speed-up pools every round's steps. A
-    function with enough steps a side runs once (the floor lowered here to stand in for
-    a long one), and ``rounds=`` says how many outright."""
+    """Below the floor (raised out of reach here, so the machine's speed cannot decide):
+    five rounds, one rank and two alternately, the later ones quiet; the speed-up pools
+    every round's steps. Above it (lowered to zero) the pair runs once, and ``rounds=``
+    says how many outright."""
     from nbtrain.telemetry.summary import undisturbed
 
+    floor = sys.modules["nbtrain.scaling"]
+    monkeypatch.setattr(floor, "STEADY_SECONDS", float("inf"))
     run = nbtrain.scaling(wide, devices=2, accelerator="cpu", dashboard=False)
     said = capsys.readouterr().out
     assert "measuring again, one device and 2 alternately (up to 4 more rounds)" in said
@@ -269,7 +284,7 @@ def test_a_short_function_is_measured_again_in_alternating_rounds(capsys, monkey
     # a summary against another baseline is that baseline's alone
     assert run.summary(baseline=run.baseline).scaling.rounds == 1
 
-    monkeypatch.setattr(sys.modules["nbtrain.scaling"], "STEADY_SECONDS", 0.01)
+    monkeypatch.setattr(floor, "STEADY_SECONDS", 0.0)
     assert nbtrain.scaling(wide, devices=2, accelerator="cpu", dashboard=False).rounds == []
     assert len(nbtrain.scaling(wide, devices=2, accelerator="cpu", dashboard=False,
                                rounds=2, steps=3).rounds) == 1
