@@ -8,9 +8,11 @@ rank's last memory event), as planned / measured. On CPU ranks a run measures no
 allocator peak: its "peak" is the sum of the four, which the last column compares; the
 plan's own peak (temporaries included, what a GPU's allocator sees) is printed beside it
 for a GPU run to check (``torch.cuda.max_memory_allocated``). Also how long each plan
-took.
+took. ``--precision bf16``: the same with mixed precision (autocast under ddp, FSDP's
+``param_dtype``), planned as the run casts (``nbtrain/halfmeta.py``).
 
     python benchmarks/plan_accuracy.py [--models gpt2,llama,vit,cnn] [--batches 4,16]
+        [--precision bf16]
 """
 
 from __future__ import annotations
@@ -50,8 +52,11 @@ def train(ctx, kind: str, batch: int, steps: int = 3):
         opt.zero_grad()
 
 
-def measured(kind: str, batch: int, strategy: str, checkpointing: bool) -> dict[str, float]:
+def measured(kind: str, batch: int, strategy: str, checkpointing: bool,
+             precision: str | None = None) -> dict[str, float]:
     extra = {"activation_checkpointing": "auto"} if checkpointing else {}
+    if precision:
+        extra["mixed_precision"] = precision
     run = nbtrain.launch(train, kind, batch, devices=2, accelerator="cpu", strategy=strategy,
                          dashboard=False, **extra,
                          telemetry=nbtrain.Telemetry(profile_memory=True, memory_every=1))
@@ -63,6 +68,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="gpt2,llama,vit,cnn")
     parser.add_argument("--batches", default="4,16")
+    parser.add_argument("--precision", default=None, choices=("bf16", "fp16"),
+                        help="mixed precision, planned and run (fp32 by default)")
     args = parser.parse_args()
     worst = {k: 1.0 for k in (*CATEGORIES, "sum")}
     print(f"{'model':6s} {'batch':>5s} {'strategy':21s} "
@@ -72,11 +79,12 @@ def main() -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             started = time.perf_counter()
             plan = nbtrain.plan(train, kind, batch, devices=2, accelerator="cpu",
-                                strategies=("ddp", "fsdp", "fsdp_grad_op"))
+                                strategies=("ddp", "fsdp", "fsdp_grad_op"),
+                                mixed_precision=args.precision)
             took = time.perf_counter() - started
             for label, (strategy, checkpointing) in CASES.items():
                 row = plan.row(strategy, checkpointing)
-                got = measured(kind, batch, strategy, checkpointing)
+                got = measured(kind, batch, strategy, checkpointing, args.precision)
                 planned = {k: getattr(row, k) for k in CATEGORIES}
                 planned["sum"], got["sum"] = sum(planned.values()), sum(got.values())
                 ratios = {k: planned[k] / got[k] if got[k] else float(planned[k] == 0)

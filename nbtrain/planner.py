@@ -14,6 +14,10 @@ data. From it, per rank (the fullest rank's):
   strategy's share, plus what the strategy gathers beyond it (``Strategy.gathered``:
   FSDP's units). This is what a GPU's allocator sees; a CPU rank measures no such peak.
 
+With ``mixed_precision=`` the step is rehearsed as each strategy casts: the forward under
+autocast (ddp, zero1, DeepSpeed) or with FSDP's half-precision parameters
+(``halfmeta.py``), by the autocast lists of the device fitted to (CUDA's with ``gpu=``).
+
 FSDP is not traced under a process group (torch's ``FSDPMemTracker`` needs one; its fake
 group lives in torch's test suite, and a default group made in the kernel would be the
 kernel's): its gathers are counted from its units' sizes.
@@ -26,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .rehearsal import Trace, rehearse
-from .strategies.base import Strategy
+from .strategies.base import Strategy, normalize_precision, precision_dtype
 from .strategies.registry import get
 from .units import format_bytes
 
@@ -35,6 +39,8 @@ MiB = 1 << 20
 GPUS = {"T4": 15360, "L4": 23034, "A10G": 23028, "P100": 16384, "V100-16GB": 16384,
         "V100-32GB": 32768, "A100-40GB": 40960, "A100-80GB": 81920, "H100": 81559,
         "H200": 143771}
+# Cards without bf16 (before Ampere): mixed precision there is fp16
+NO_BF16 = ("T4", "P100", "V100")
 CONTEXT = 500 * MiB  # CUDA's context and torch's kernels, before the first tensor
 MARGIN = 0.05  # of the rest: the caching allocator's rounding and fragmentation
 # In the order one is picked: fewest bytes sent, no sharding unless needed, then the
@@ -81,6 +87,7 @@ class Plan:
     device: str  # the device fitted to, in words ("" when none)
     usable: float | None  # its bytes for tensors
     bandwidth: float | None  # bytes/s a rank sends at, when given
+    precision: str | None = None  # the mixed precision planned ("bf16", "fp16")
 
     @property
     def pick(self) -> Row | None:
@@ -142,6 +149,10 @@ class Plan:
                 f"{format_bytes(pick.headroom)} to spare"
                 + (f"; also fit: {', '.join(others)}." if others else "; nothing else fits."))
 
+    def _of(self) -> str:
+        return (f"; {self.precision} mixed precision: fp32 weights, gradients and optimizer "
+                f"state, {self.precision} compute" if self.precision else "")
+
     def _cells(self, r: Row) -> list[str]:
         cells = [r.name, *(format_bytes(v) for v in (r.params, r.grads, r.optimizer,
                                                       r.activations, r.peak)),
@@ -165,7 +176,7 @@ class Plan:
         lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True))
                  for line in table]
         return self.sentence() + "\n\n" + "\n".join(lines) + \
-            "\n(bytes per rank, the fullest rank's; peak: the most live at once in a step)"
+            f"\n(bytes per rank, the fullest rank's; peak: the most live at once in a step{self._of()})"
 
     def __repr__(self) -> str:
         return str(self)
@@ -179,7 +190,7 @@ class Plan:
             for r in self.rows)
         return (f"<p>{html.escape(self.sentence())}</p><table><tr>{head}</tr>{body}</table>"
                 "<p style='font-size:smaller'>bytes per rank (the fullest rank's); peak: "
-                "the most memory live at once in a training step</p>")
+                f"the most memory live at once in a training step{html.escape(self._of())}</p>")
 
 
 def _row(name: str, strategy: Strategy, trace: Trace, world_size: int, checkpointing: bool,
@@ -262,24 +273,37 @@ def plan(fn: Callable, *args, devices: int | str | list[int] = 2,
     named = _parameters(fn)
     options = {k: kwargs.pop(k) for k in list(kwargs) if k not in named and any(
         k in options_of(s) for s in chosen.values())}
-    if options.get("mixed_precision") or options.get("precision") not in (None, 32, "32",
-                                                                          "32-true"):
-        raise ValueError("nbtrain.plan rehearses fp32 steps; mixed precision is not planned "
-                         "yet (its activations are about half, its parameters the same). "
-                         "Plan without mixed_precision=.")
-    chosen = {name: get(name, **{k: v for k, v in options.items() if k in options_of(s)})
+    if "precision" in kwargs and "precision" not in named:  # Lightning's spelling
+        options["mixed_precision"] = kwargs.pop("precision")
+    precision = normalize_precision(options.pop("mixed_precision", None))
+    if precision == "bf16" and any(card in device for card in NO_BF16):
+        raise ValueError(f"mixed_precision='bf16' on a {device}: it has no bf16 (Ampere on "
+                         "has), so torch would emulate it, slowly. Plan (and train) with "
+                         "mixed_precision='fp16' there.")
+    chosen = {name: get(name, **{k: v for k, v in options.items() if k in options_of(s)},
+                        **({"mixed_precision": precision} if precision else {}))
               for name, s in chosen.items()}
+    # the lists of a GPU's autocast when fitting one, else the ranks' own
+    device_type = "cuda" if usable is not None or accelerator == "cuda" else "cpu"
+    hows = {s.half_by for s in chosen.values()} if precision else {None}
     given = options.get("activation_checkpointing")
-    traces = {bool(given): rehearse(fn, args, kwargs, world_size, given, seed)}
-    if checkpointing and not given:
-        try:
-            traces[True] = rehearse(fn, args, kwargs, world_size, "auto", seed)
-        except ValueError as err:
-            if "block" not in str(err):  # a model without blocks to checkpoint: no rows
-                raise
-    rows = tuple(_row(name, strategy, trace, world_size, ckpt, usable)
-                 for ckpt, trace in traces.items() for name, strategy in chosen.items())
-    return Plan(rows, world_size, device, usable, bandwidth)
+    wanted = [bool(given)] + ([True] if checkpointing and not given else [])
+    traces: dict[tuple[bool, str | None], Trace] = {}
+    for ckpt in wanted:
+        for how in sorted(hows, key=str):
+            half = (how, precision_dtype(precision), device_type) if how else None
+            try:
+                traces[ckpt, how] = rehearse(fn, args, kwargs, world_size,
+                                             given if ckpt == bool(given) else "auto", seed,
+                                             half)
+            except ValueError as err:
+                if not ckpt or given or "block" not in str(err):
+                    raise  # a model without blocks to checkpoint: no rows
+    rows = tuple(_row(name, strategy, traces[ckpt, strategy.half_by if precision else None],
+                      world_size, ckpt, usable)
+                 for ckpt in wanted for name, strategy in chosen.items()
+                 if (ckpt, strategy.half_by if precision else None) in traces)
+    return Plan(rows, world_size, device, usable, bandwidth, precision)
 
 
 def _parameters(fn: Callable) -> set[str]:

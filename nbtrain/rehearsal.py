@@ -21,10 +21,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.overrides import handle_torch_function, has_torch_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .context import Context
+from .halfmeta import half_meta
 from .spec import WorkerSpec
 from .strategies.base import ParamSize, Strategy
 from .telemetry.probes import ActivationProbe
@@ -47,12 +49,17 @@ def _fused_attention():
 
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                   scale=None, enable_gqa=False):
+        if has_torch_function((query, key, value)):  # halfmeta's casts see it by name
+            return handle_torch_function(
+                attention, (query, key, value), query, key, value, attn_mask=attn_mask,
+                dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         if not (query.is_meta and torch.is_grad_enabled()):
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         return _Fused.apply(query, key, value, attn_mask, dropout_p, is_causal, scale,
                             enable_gqa, original)
 
+    attention.__name__ = original.__name__
     F.scaled_dot_product_attention = attention
     try:
         yield
@@ -103,6 +110,7 @@ class _Live(TorchDispatchMode):
         self._sizes: dict[int, tuple[int, bool]] = {}  # storage -> (bytes, optimizer's)
         self.live = self.optimizer = 0.0
         self.stepping = False
+        self.paused = False
         for t in (*self._params, *model.buffers(), *(p.grad for p in self._params)):
             if isinstance(t, torch.Tensor):
                 self._track(t)
@@ -118,12 +126,22 @@ class _Live(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and not self.paused:
                 self._track(t)
         if self.live > self.peak["total"]:
             self.peak = {"total": self.live, "opt": self.optimizer, "grad": sum(
                 p.grad.untyped_storage().nbytes() for p in self._params if p.grad is not None)}
         return out
+
+    @contextlib.contextmanager
+    def aside(self):
+        """What is made inside is not counted (FSDP's gathered parameters: the planner
+        counts them by its units)."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
 
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -158,11 +176,17 @@ class _Rehearsal(Strategy):
         self.steps = 0
         self.tracker = None
         self._probe = ActivationProbe()
+        self.half = None  # halfmeta.HalfMeta when a precision is rehearsed
+        self._blocks: list[nn.Module] = []
 
     def setup_module(self, module: nn.Module, ctx) -> nn.Module:
         _to_meta(module)
-        self.checkpoint_activations(module)
+        self._blocks = [w._checkpoint_wrapped_module
+                        for w in self.checkpoint_activations(module).values()]
         return module
+
+    def aside(self):
+        return self.tracker.aside() if self.tracker is not None else contextlib.nullcontext()
 
     def setup(self, module, optimizers, ctx, materialize=None):
         if self.model is not None:
@@ -179,6 +203,8 @@ class _Rehearsal(Strategy):
         # the second step's forward: what it saves for backward (as profile_memory measures)
         wrapped.register_forward_pre_hook(self._forward_starts)
         wrapped.register_forward_hook(self._forward_ends)
+        if self.half is not None:  # registered after: inside the probe's forward
+            self.half.watch(wrapped, self._blocks)
         return wrapped, optimizers
 
     def _forward_starts(self, module, args) -> None:
@@ -246,13 +272,18 @@ class Trace:
     peak: dict[str, float]  # the step's most live bytes ("total"), of them "grad", "opt"
 
 
-def rehearse(fn: Callable, args, kwargs, world_size: int, checkpointing, seed: int) -> Trace:
+def rehearse(fn: Callable, args, kwargs, world_size: int, checkpointing, seed: int,
+             half: tuple[str, torch.dtype, str] | None = None) -> Trace:
+    """``half``: (how, dtype, device type) to rehearse mixed precision (``halfmeta``)."""
     rehearsal = _Rehearsal(activation_checkpointing=checkpointing)
     ctx = _PlanContext(world_size, rehearsal, seed)
+    how, dtype, device_type = half or (None, None, "cpu")
     with torch.random.fork_rng(devices=[]):
         state = random.getstate()
         try:
-            with _MetaScalars(), _fused_attention():
+            with _MetaScalars(), _fused_attention(), \
+                    half_meta(how, dtype, device_type, rehearsal.aside) as mode:
+                rehearsal.half = mode
                 try:
                     fn(ctx, *args, **kwargs)
                 except Rehearsed:

@@ -34,6 +34,11 @@ LIGHTNING_PRECISIONS = {"16-mixed": "fp16", "16": "fp16", 16: "fp16", "bf16-mixe
                         "32-true": None, "32": None, 32: None}
 
 
+def precision_dtype(precision: Precision) -> torch.dtype | None:
+    """The half type of ``"bf16"`` or ``"fp16"``; None for fp32."""
+    return _DTYPES.get(precision) if precision else None
+
+
 def normalize_precision(value) -> Precision:
     """``mixed_precision`` from nbtrain's or Lightning's spelling; a ValueError otherwise."""
     if value in PRECISIONS:
@@ -90,6 +95,10 @@ class Strategy:
     sync_batchnorm: bool = False
 
     description: ClassVar[str] = ""
+    # How its mixed precision reaches the forward, for nbtrain.plan's rehearsal
+    # (halfmeta.py): "autocast" (the forward under torch.autocast, fp32 weights) or
+    # "params" (the parameters themselves in half precision, FSDP's param_dtype)
+    half_by: ClassVar[str] = "autocast"
     accelerators: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     # Modules the strategy imports in every worker; a fork launch imports them once in
     # the kernel instead (see launch/starting/warm.py).
@@ -109,7 +118,7 @@ class Strategy:
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
-        return _DTYPES.get(self.mixed_precision) if self.mixed_precision else None
+        return precision_dtype(self.mixed_precision)
 
     def check(self, plan: DevicePlan) -> None:
         """Fail before launch when this strategy cannot run on ``plan``."""

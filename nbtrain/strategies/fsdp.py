@@ -51,6 +51,7 @@ class FSDP(Strategy):
     description: ClassVar[str] = (
         "Fully sharded data parallel: each rank stores 1/N of the parameters, gradients and "
         "optimizer state, and all-gathers parameters for forward and backward.")
+    half_by: ClassVar[str] = "params"  # MixedPrecisionPolicy(param_dtype=...)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -116,11 +117,19 @@ class FSDP(Strategy):
         """At the peak: the root's parameters, gathered from forward to backward (FSDP2
         keeps the root's), two units' (the one running and the next, prefetched), or
         every unit's with ``reshard_after_forward=False``; and one unit's whole
-        gradient before its reduce-scatter. With offload, whole copies of all of it."""
+        gradient before its reduce-scatter. With offload, whole copies of all of it.
+        With mixed precision the parameters are gathered in it whole (FSDP casts its
+        shard, then gathers), and the gradient is reduced in fp32."""
         units, root = self._unit_bytes(model)
         keep = 1.0 if self.offload else 1 - 1 / self.shards(world_size)
+        if self.compute_dtype is not None:
+            keep = self._half_ratio()
         live = sum(units) if not self.reshard_after_forward else sum(sorted(units)[-2:])
         return (root + live) * keep + max(units, default=root)
+
+    def _half_ratio(self) -> float:
+        """The half type's bytes to fp32's (the sizes are the fp32 parameters')."""
+        return torch.finfo(self.compute_dtype).bits / 32
 
     def sent(self, model: nn.Module, world_size: int) -> float:
         """All-gathers of the parameters in forward and again in backward (the root's
@@ -130,6 +139,8 @@ class FSDP(Strategy):
         units, root = self._unit_bytes(model)
         groups, size = self.mesh_shape(world_size) if self.hybrid else (1, world_size)
         params = root + sum(units) * (2 if self.reshard_after_forward else 1)
+        if self.compute_dtype is not None:  # gathered in half precision, reduced in fp32
+            params *= self._half_ratio()
         grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         within = (size - 1) / size * (params + grads)
         return within + 2 * (groups - 1) / groups * grads / size

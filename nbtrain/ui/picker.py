@@ -204,8 +204,9 @@ class StrategyPicker:
 
     # -- widget plumbing ---------------------------------------------------------------
     def _plan_is_of(self, chosen, options: dict) -> bool:
-        """Whether the plan shown before Run is of this run: its ranks, its strategy, fp32
-        (the plans are of fp32 steps), no offload asked for beside the row's."""
+        """Whether the plan shown before Run is of this run: its ranks, its strategy, the
+        precision the picker was given (none chosen in its dropdown), no offload asked for
+        beside the row's."""
         if self.memory is None or options or self.ranks.value != self.memory.world_size:
             return False
         try:
