@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .rehearsal import Trace, rehearse
 from .strategies.base import Strategy, normalize_precision, precision_dtype
@@ -88,6 +88,7 @@ class Plan:
     usable: float | None  # its bytes for tensors
     bandwidth: float | None  # bytes/s a rank sends at, when given
     precision: str | None = None  # the mixed precision planned ("bf16", "fp16")
+    refused: dict[str, str] = field(default_factory=dict)  # not planned: name -> why
 
     @property
     def pick(self) -> Row | None:
@@ -176,7 +177,9 @@ class Plan:
         lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True))
                  for line in table]
         return self.sentence() + "\n\n" + "\n".join(lines) + \
-            f"\n(bytes per rank, the fullest rank's; peak: the most live at once in a step{self._of()})"
+            f"\n(bytes per rank, the fullest rank's; peak: the most live at once in a step{self._of()})" \
+            + "".join(f"\nnot planned: {', '.join(n for n in self.refused if self.refused[n] == why)}"
+                      f" ({why})" for why in dict.fromkeys(self.refused.values()))
 
     def __repr__(self) -> str:
         return str(self)
@@ -280,9 +283,16 @@ def plan(fn: Callable, *args, devices: int | str | list[int] = 2,
         raise ValueError(f"mixed_precision='bf16' on a {device}: it has no bf16 (Ampere on "
                          "has), so torch would emulate it, slowly. Plan (and train) with "
                          "mixed_precision='fp16' there.")
-    chosen = {name: get(name, **{k: v for k, v in options.items() if k in options_of(s)},
-                        **({"mixed_precision": precision} if precision else {}))
-              for name, s in chosen.items()}
+    made, refused = {}, {}
+    for name, s in chosen.items():
+        try:
+            made[name] = get(name, **{k: v for k, v in options.items() if k in options_of(s)},
+                             **({"mixed_precision": precision} if precision else {}))
+        except ValueError as err:  # a strategy that refuses the precision: named, it says why
+            if strategies or not precision:
+                raise
+            refused[name] = str(err).split(": ")[0]
+    chosen = made
     # the lists of a GPU's autocast when fitting one, else the ranks' own
     device_type = "cuda" if usable is not None or accelerator == "cuda" else "cpu"
     hows = {s.half_by for s in chosen.values()} if precision else {None}
@@ -303,7 +313,7 @@ def plan(fn: Callable, *args, devices: int | str | list[int] = 2,
                       world_size, ckpt, usable)
                  for ckpt in wanted for name, strategy in chosen.items()
                  if (ckpt, strategy.half_by if precision else None) in traces)
-    return Plan(rows, world_size, device, usable, bandwidth, precision)
+    return Plan(rows, world_size, device, usable, bandwidth, precision, refused)
 
 
 def _parameters(fn: Callable) -> set[str]:

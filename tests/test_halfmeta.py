@@ -18,6 +18,7 @@ from test_plan import measured
 
 import nbtrain
 from nbtrain import halfmeta
+from nbtrain.planner import default_strategies
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -145,7 +146,13 @@ def test_mixed_precision_is_taken_as_launch_takes_it_and_bf16_refused_where_ther
     with pytest.raises(ValueError, match="mixed_precision='fp16'"):
         nbtrain.plan(mlp_train, devices=2, gpu="T4", mixed_precision="bf16")
     t4 = nbtrain.plan(mlp_train, devices=2, gpu="T4", mixed_precision="fp16",
-                      strategies=("ddp",), checkpointing=False)
+                      checkpointing=False)
     assert t4.precision == "fp16" and t4.pick.strategy == "ddp"
+    assert "fp16 mixed precision" in str(t4)
+    if any(name.startswith("deepspeed") for name in default_strategies()):
+        # DeepSpeed refuses nbtrain's fp16: left out of the plan, and said
+        assert "deepspeed" in t4.refused and "not planned: deepspeed" in str(t4)
+    with pytest.raises(ValueError, match="refused under DeepSpeed"):  # named: refused
+        nbtrain.plan(mlp_train, devices=2, strategies=("deepspeed",), mixed_precision="fp16")
     with pytest.raises(ValueError, match="16-mixed"):
         nbtrain.plan(mlp_train, devices=2, mixed_precision="float8")
