@@ -280,8 +280,8 @@ def plan(fn: Callable, *args, devices: int | str | list[int] = 2,
         options["mixed_precision"] = kwargs.pop("precision")
     precision = normalize_precision(options.pop("mixed_precision", None))
     if precision == "bf16" and any(card in device for card in NO_BF16):
-        raise ValueError(f"mixed_precision='bf16' on a {device}: it has no bf16 (Ampere on "
-                         "has), so torch would emulate it, slowly. Plan (and train) with "
+        raise ValueError(f"mixed_precision='bf16' on a {device}: it has no bf16 (GPUs from "
+                         "Ampere on do), so torch would emulate it, slowly. Plan (and train) with "
                          "mixed_precision='fp16' there.")
     made, refused = {}, {}
     for name, s in chosen.items():

@@ -156,3 +156,24 @@ def test_mixed_precision_is_taken_as_launch_takes_it_and_bf16_refused_where_ther
         nbtrain.plan(mlp_train, devices=2, strategies=("deepspeed",), mixed_precision="fp16")
     with pytest.raises(ValueError, match="16-mixed"):
         nbtrain.plan(mlp_train, devices=2, mixed_precision="float8")
+
+
+def test_the_picker_plans_the_precision_chosen_and_gives_that_plan_to_its_run():
+    from test_plan import mlp_train
+
+    picker = nbtrain.StrategyPicker(mlp_train, devices=2, accelerator="cpu", display=False,
+                                    strategies_shown=["ddp", "fsdp"], gpu="T4")
+    fp32 = picker.memory
+    assert fp32.precision is None
+    picker.precision.value = "bf16"  # a T4 has none: no plan, and the remedy
+    assert picker.memory is None and "with mixed_precision=&#x27;fp16&#x27;" in picker.message.value
+    picker.precision.value = "fp16"
+    half = picker.memory
+    assert half.precision == "fp16" and "Use ddp" in picker.message.value
+    labels = dict((value, label) for label, value in picker.dropdown.options)
+    assert labels["ddp"].startswith("ddp (") and "Planned per rank" in picker.description.value
+    run = picker.start("ddp")
+    picker.wait(120)
+    assert run.status == "done" and run.planned is half  # the plan of the run it shows
+    picker.precision.value = "fp32"
+    assert picker.memory is fp32  # made once

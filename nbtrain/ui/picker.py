@@ -91,8 +91,11 @@ class StrategyPicker:
                              f"{self.not_offered}. Choose others from "
                              f"{strategies.names()}.")
         self.fn, self.args, self.kwargs, self.devices = fn, args, kwargs, devices
-        # nbtrain.plan()'s answer for the device (gpu=, or the visible GPU), else None
-        self.memory, planned = self._memory_plan(gpu, names)
+        # nbtrain.plan()'s answer for the device (gpu=, or the visible GPU), else None;
+        # one per precision chosen in the dropdown, made when it is first chosen
+        self._gpu, self._names = gpu, names
+        self._plans: dict[str, tuple] = {"fp32": self._memory_plan(gpu, names)}
+        self.memory, planned = self._plans["fp32"]
         self.runs: list[Run] = []  # every run started here, in order
         self.run: Run | None = None  # the current (or last) one
         self.dashboard = None
@@ -127,6 +130,7 @@ class StrategyPicker:
             self.comparison_title, self.comparison_text, self.comparison_figure])
         self.widget.add_class("nbtrain-picker")
         self.dropdown.observe(lambda _: self._describe(), names="value")
+        self.precision.observe(lambda _: self._replan(), names="value")
         self.run_button.on_click(lambda _: self._click_run())
         self.stop_button.on_click(lambda _: self._click_stop())
         self._describe()
@@ -204,10 +208,10 @@ class StrategyPicker:
 
     # -- widget plumbing ---------------------------------------------------------------
     def _plan_is_of(self, chosen, options: dict) -> bool:
-        """Whether the plan shown before Run is of this run: its ranks, its strategy, the
-        precision the picker was given (none chosen in its dropdown), no offload asked for
-        beside the row's."""
-        if self.memory is None or options or self.ranks.value != self.memory.world_size:
+        """Whether the plan shown before Run is of this run: its ranks, its strategy, its
+        precision (the dropdown's), no offload asked for beside the row's."""
+        if self.memory is None or self.ranks.value != self.memory.world_size or \
+                set(options) - {"mixed_precision"}:
             return False
         try:
             self.memory.row(chosen.name, bool(chosen.activation_checkpointing))
@@ -245,16 +249,36 @@ class StrategyPicker:
                                   f"{self._planned(name)}</div>")
 
     # -- the plan before Run (nbtrain.plan) -------------------------------------------------
-    def _memory_plan(self, gpu, names: list[str]):
+    def _replan(self) -> None:
+        """The precision chosen: the plan of its steps (made the first time, a few
+        seconds for a large model), in the labels, the description and the message."""
+        value = self.precision.value
+        if self._plans["fp32"] == (None, ""):  # no device to fit
+            return
+        if value not in self._plans:
+            self.message.value = (f'<div style="font-size:13px;color:#666">Planning '
+                                  f"{html.escape(value)} steps…</div>")
+            self._plans[value] = self._memory_plan(self._gpu, self._names, value)
+        self.memory, self.message.value = self._plans[value]
+        chosen = self.dropdown.value
+        self.dropdown.options = [(self._label(n), n) for n in self._names]
+        self.dropdown.value = chosen
+        self._describe()
+
+    def _memory_plan(self, gpu, names: list[str], precision: str = "fp32"):
         """(the plan, a line saying it) when there is a device to fit: ``gpu=``, or the
         GPU NVML sees when the picker runs on CUDA; (None, "") otherwise."""
         from ..planner import plan, usable_bytes
 
         if gpu is None and (self.plan.accelerator != "cuda" or usable_bytes(None)[1] is None):
             return None, ""
+        kwargs = dict(self.kwargs)
+        if precision != "fp32":
+            kwargs["mixed_precision"] = precision
+            names = [n for n in names if _takes(n, precision)]  # DeepSpeed refuses fp16
         try:
             made = plan(self.fn, *self.args, devices=self.devices, gpu=gpu,
-                        strategies=tuple(names), checkpointing=False, **self.kwargs)
+                        strategies=tuple(names), checkpointing=False, **kwargs)
         except Exception as err:  # the picker still runs what it cannot plan
             return None, ('<div style="font-size:12px;color:#666">No memory plan: '
                           f"{html.escape(type(err).__name__)}: {html.escape(str(err))}</div>")
@@ -372,3 +396,11 @@ class StrategyPicker:
         return (f"<StrategyPicker {getattr(self.fn, '__name__', 'fn')} "
                 f"strategy={self.dropdown.value} runs={len(self.runs)}>")
 
+
+def _takes(name: str, precision: str) -> bool:
+    """Does strategy ``name`` train in ``precision``? (A refusal says why at Run.)"""
+    try:
+        strategies.get(name, mixed_precision=precision)
+    except (ValueError, TypeError):
+        return False
+    return True
