@@ -14,7 +14,9 @@ shared 2-core machine DDP's ratio has moved between invocations by more than its
 (0.92 to 0.99). So a second measure follows that noise cannot hide: the microseconds
 telemetry adds to a step, from a 1-rank run of a tiny model whose step takes a few
 hundred microseconds (launch and the first 50 steps excluded). At a step time T the
-ratio is then T / (T + added).
+ratio is then T / (T + added). Beside it, the same tiny run with telemetry off and no-op
+hooks at the points the time breakdown hooks (``hooked_as_telemetry_hooks``): what torch
+charges for a hook's being there, apart from what telemetry's hooks do.
 
 ``--compile before`` compiles the model before ``ctx.setup`` (the wrapper's hooks stay
 outside the compiled code), ``--compile after`` the model ``ctx.setup`` returns (the
@@ -76,12 +78,36 @@ def train(ctx, steps: int, compile: str | None = None):
     return (steps - 10) / (time.perf_counter() - start)
 
 
-def tiny(ctx, steps: int):
-    """A step of a few hundred microseconds, so what telemetry adds is most of the difference."""
+def hooked_as_telemetry_hooks(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Hooks of the kinds default telemetry's time breakdown registers, doing nothing:
+    a forward pre- and post-hook (the post-hook hooks the output's gradient, whose hook
+    queues two of autograd's final callbacks), an optimizer step pre- and post-hook, each
+    through ``torch.compiler.disable`` as telemetry's are. What they add to a step is
+    torch's price of being hooked at those points, whatever the hooks do."""
+    engine = torch.autograd.Variable._execution_engine
+
+    def backward_starts(grad):
+        engine.queue_callback(lambda: engine.queue_callback(lambda: None))
+
+    def forward_ends(module, args, output):
+        if torch.is_grad_enabled() and output.requires_grad:
+            output.register_hook(backward_starts)
+
+    model.register_forward_pre_hook(torch.compiler.disable(lambda module, args: None))
+    model.register_forward_hook(torch.compiler.disable(forward_ends))
+    opt.register_step_pre_hook(torch.compiler.disable(lambda opt, args, kwargs: None))
+    opt.register_step_post_hook(torch.compiler.disable(lambda opt, args, kwargs: None))
+
+
+def tiny(ctx, steps: int, bare_hooks: bool = False):
+    """A step of a few hundred microseconds, so what telemetry adds is most of the difference.
+    ``bare_hooks``: with ``hooked_as_telemetry_hooks`` (run with telemetry off)."""
     torch.manual_seed(0)
     model = nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     model, opt = ctx.setup(model, opt)
+    if bare_hooks:
+        hooked_as_telemetry_hooks(model, opt)
     data = torch.utils.data.TensorDataset(torch.randn(4 * steps, 8),
                                           torch.randint(0, 2, (4 * steps,)))
     start = None
@@ -96,15 +122,20 @@ def tiny(ctx, steps: int):
     return (time.perf_counter() - start) / (steps - 50)
 
 
-def added_per_step(strategy: str, rounds: int = 6, steps: int = 3000) -> tuple[float, float]:
-    """Median seconds per step with telemetry off and on (the default), 1 rank."""
-    times: dict[bool, list[float]] = {False: [], True: []}
+TINY = {"off": (False, False), "default": (True, False), "bare hooks": (False, True)}
+
+
+def added_per_step(strategy: str, rounds: int = 6, steps: int = 3000) -> dict[str, float]:
+    """Median seconds per step with telemetry off, on (the default), and off with
+    ``hooked_as_telemetry_hooks``' hooks; 1 rank, interleaved rounds."""
+    times: dict[str, list[float]] = {kind: [] for kind in TINY}
     for i in range(rounds):
-        for on in ((False, True) if i % 2 == 0 else (True, False)):
-            times[on].append(nbtrain.launch(tiny, steps, devices=1, accelerator="cpu",
-                                            strategy=strategy, telemetry=on,
-                                            dashboard=False).result)
-    return statistics.median(times[False]), statistics.median(times[True])
+        for kind in (list(TINY) if i % 2 == 0 else list(reversed(TINY))):
+            telemetry, bare = TINY[kind]
+            times[kind].append(nbtrain.launch(tiny, steps, bare, devices=1, accelerator="cpu",
+                                              strategy=strategy, telemetry=telemetry,
+                                              dashboard=False).result)
+    return {kind: statistics.median(values) for kind, values in times.items()}
 
 
 def paired_interval(values: list[float], base: list[float], draws: int = 2000,
@@ -161,11 +192,14 @@ def main() -> None:
     print(f"\nWhat default telemetry adds to a step (1 rank, a tiny model, median of "
           f"{args.tiny_rounds} rounds):")
     for strategy in args.strategies.split(","):
-        off, on = added_per_step(strategy, args.tiny_rounds, args.tiny_steps)
-        added = on - off
-        print(f"  {strategy:14s} {off * 1e6:6.0f} us/step off, {on * 1e6:6.0f} on: adds "
-              f"{added * 1e6:4.0f} us; ratio >= 0.97 for steps of {added * 32e3:.1f} ms "
-              "and longer")
+        median = added_per_step(strategy, args.tiny_rounds, args.tiny_steps)
+        off, added = median["off"], median["default"] - median["off"]
+        hooked = median["bare hooks"] - off
+        print(f"  {strategy:14s} {off * 1e6:6.0f} us/step off, {median['default'] * 1e6:6.0f} "
+              f"on: adds {added * 1e6:4.0f} us; ratio >= 0.97 for steps of "
+              f"{added * 32e3:.1f} ms and longer")
+        print(f"  {'':14s} the same hooks doing nothing add {hooked * 1e6:4.0f} us (torch's "
+              f"price of being hooked there); telemetry's own work {(added - hooked) * 1e6:4.0f} us")
 
 
 if __name__ == "__main__":
