@@ -67,16 +67,19 @@ def test_memory_by_category_is_deepspeeds_partitions(strategy, sharded):
     assert strategy in comparison.table() and "theory" in comparison.table().lower()
 
 
-@pytest.mark.parametrize("kind", ["mlp", "gpt2"])
+@pytest.mark.parametrize("kind", ["mlp", "gpt2", "gpt2 in bf16"])
 @pytest.mark.parametrize("strategy", ["deepspeed_stage_1", "deepspeed", "deepspeed_stage_3"])
 def test_the_plan_counts_deepspeeds_partitions_as_a_run_measures_them(strategy, kind):
     """To the byte: stages 1 and 2 flatten the trained parameters into one buffer padded
     to a multiple of 2N elements (the MLP's 84,681 to 84,684), stage 3 gives each
     parameter ceil(numel / N) elements; the optimizer holds the fp32 master partition
-    beside its own state of it."""
+    beside its own state of it. In bf16 (DeepSpeed's torch_autocast) the same state, and
+    the activations as autocast keeps them."""
     from test_plan import measured, mlp_train
 
     args, options = ((mlp_train,), {}) if kind == "mlp" else ((fit, "gpt2"), {"steps": 3})
+    if kind.endswith("bf16"):
+        options["mixed_precision"] = "bf16"
     row = nbtrain.plan(*args, devices=2, strategies=(strategy,), checkpointing=False,
                        **options).row(strategy)
     got = measured(*args, strategy=strategy, **options)
