@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from models import fit
 from torch import nn
+from torch.overrides import _get_current_function_mode_stack
 
 import nbtrain
 from nbtrain.planner import CONTEXT, GPUS, MARGIN, STRATEGIES
@@ -123,6 +124,8 @@ def test_the_rehearsal_leaves_the_kernel_as_it_was():
     random.seed(7)
     before = (torch.random.get_rng_state(), random.getstate())
     nbtrain.plan(mlp_train, devices=2, checkpointing=False, strategies=("ddp",))
+    nbtrain.plan(mlp_train, devices=2, strategies=("ddp", "fsdp"), mixed_precision="bf16")
+    assert not _get_current_function_mode_stack()  # mixed precision's casts are gone
     assert torch.equal(torch.random.get_rng_state(), before[0])
     assert random.getstate() == before[1]
     assert not dist.is_initialized()  # no process group was made in the kernel
