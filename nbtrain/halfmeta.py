@@ -89,16 +89,15 @@ class HalfMeta(TorchFunctionMode):
     def __init__(self, how: str, dtype: torch.dtype, device_type: str = "cuda",
                  aside=contextlib.nullcontext):
         super().__init__()
-        self.aside = aside  # a context in which the half parameters are made uncounted
         if how not in ("autocast", "params"):
             raise ValueError(f"how={how!r}: 'autocast' or 'params'")
         self.how, self.dtype = how, dtype
+        self.aside = aside  # a context in which the half parameters are made uncounted
         self.half, self.fp32, self.fp32_dtype = LISTS["cuda" if device_type == "cuda"
                                                      else "cpu"]
         self.depth = 0
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._params: set[int] = set()
-        self._fp32_modules: set[int] = set()
         self._inside_fp32 = 0
         self._pushed: list[bool] = []
 
@@ -111,7 +110,6 @@ class HalfMeta(TorchFunctionMode):
             m.register_forward_hook(self._leave, always_call=True)
         if self.how == "params":
             for norm in norms.with_statistics(model):
-                self._fp32_modules.add(id(norm))
                 norm.register_forward_pre_hook(self._fp32_enter)
                 norm.register_forward_hook(self._fp32_leave, always_call=True)
 
