@@ -58,6 +58,43 @@ def test_a_bad_address_fails_at_submit_at_once():
     assert not ray.is_initialized()
 
 
+def test_ray_clients_server_that_dies_at_its_start_is_started_again(monkeypatch):
+    """Ray Client's proxy forks one server per client; now and then the child dies at
+    once ("Starting Ray client server failed", seen in CI): the connection is tried again,
+    and after CLIENT_TRIES the error says where the server's log is. Any other refusal
+    is Ray's own, raised as it is."""
+    from nbtrain.scaleout import ray as engine
+
+    failed = ConnectionAbortedError(
+        "Initialization failure from server:\nRuntimeError: Starting Ray client server "
+        "failed. See ray_client_server_23000.err for detailed logs.")
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs["address"])
+        if calls.count("local") < engine.CLIENT_TRIES or outcome == "never":
+            raise failed if outcome != "other" else ConnectionAbortedError("version mismatch")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 3.0})
+    outcome = "at last"
+    assert engine._connect(nbtrain.Ray("local")) == {"CPU": 3.0}
+    assert calls == ["local", "shutdown", "local", "shutdown", "local"]
+    calls.clear()
+    outcome = "never"
+    with pytest.raises(ConnectionError, match=r"did not start in 3 tries \(RuntimeError: "
+                       r"Starting.*session_latest/logs"):
+        engine._connect(nbtrain.Ray("local"))
+    assert calls.count("local") == engine.CLIENT_TRIES
+    calls.clear()
+    outcome = "other"
+    with pytest.raises(ConnectionAbortedError, match="version mismatch"):
+        engine._connect(nbtrain.Ray("local"))
+    assert calls == ["local"]
+
+
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
     """What ``launch(devices=2)`` gives, computed before Ray joins this process (a fork of

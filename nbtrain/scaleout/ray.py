@@ -129,9 +129,29 @@ def _connect(engine: Ray) -> dict:
                 f"nbtrain.Ray({address!r}): no Ray cluster answers there ({err}). Start one "
                 "(ray start --head) and give its address, e.g. Ray('10.0.0.5:6379'), or "
                 "Ray() for one on this machine.") from None
-    ray.init(address=address, namespace="nbtrain", log_to_driver=False,
-             include_dashboard=False, configure_logging=False)
+    for attempt in range(CLIENT_TRIES):
+        try:
+            ray.init(address=address, namespace="nbtrain", log_to_driver=False,
+                     include_dashboard=False, configure_logging=False)
+            break
+        except ConnectionAbortedError as err:
+            # Ray Client's proxy starts one server process per client, by a fork of a
+            # process with gRPC's threads running; now and then that child dies at once
+            # ("Starting Ray client server failed", an empty log): a new connection
+            # starts another
+            if "client server failed" not in str(err):
+                raise
+            if attempt == CLIENT_TRIES - 1:
+                said = str(err).strip().splitlines()[-1]
+                raise ConnectionError(
+                    f"nbtrain.Ray({address!r}): Ray Client's server for this notebook did "
+                    f"not start in {CLIENT_TRIES} tries ({said}): that log is in the head "
+                    "node's /tmp/ray/session_latest/logs.") from err
+            ray.shutdown()
     return ray.cluster_resources()
+
+
+CLIENT_TRIES = 3  # Ray Client connections tried when its server fails to start
 
 
 class _RayLaunch:
