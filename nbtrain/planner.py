@@ -295,24 +295,23 @@ def plan(fn: Callable, *args, devices: int | str | list[int] = 2,
     chosen = made
     # the lists of a GPU's autocast when fitting one, else the ranks' own
     device_type = "cuda" if usable is not None or accelerator == "cuda" else "cpu"
-    hows = {s.half_by for s in chosen.values()} if precision else {None}
+    how = {name: s.half_by if precision else None for name, s in chosen.items()}
     given = options.get("activation_checkpointing")
     wanted = [bool(given)] + ([True] if checkpointing and not given else [])
     traces: dict[tuple[bool, str | None], Trace] = {}
     for ckpt in wanted:
-        for how in sorted(hows, key=str):
-            half = (how, precision_dtype(precision), device_type) if how else None
+        for way in sorted(set(how.values()), key=str):
+            half = (way, precision_dtype(precision), device_type) if way else None
             try:
-                traces[ckpt, how] = rehearse(fn, args, kwargs, world_size,
+                traces[ckpt, way] = rehearse(fn, args, kwargs, world_size,
                                              given if ckpt == bool(given) else "auto", seed,
                                              half)
             except ValueError as err:
                 if not ckpt or given or "block" not in str(err):
                     raise  # a model without blocks to checkpoint: no rows
-    rows = tuple(_row(name, strategy, traces[ckpt, strategy.half_by if precision else None],
-                      world_size, ckpt, usable)
+    rows = tuple(_row(name, strategy, traces[ckpt, how[name]], world_size, ckpt, usable)
                  for ckpt in wanted for name, strategy in chosen.items()
-                 if (ckpt, strategy.half_by if precision else None) in traces)
+                 if (ckpt, how[name]) in traces)
     return Plan(rows, world_size, device, usable, bandwidth, precision, refused)
 
 

@@ -121,9 +121,10 @@ class FSDP(Strategy):
         With mixed precision the parameters are gathered in it whole (FSDP casts its
         shard, then gathers), and the gradient is reduced in fp32."""
         units, root = self._unit_bytes(model)
-        keep = 1.0 if self.offload else 1 - 1 / self.shards(world_size)
-        if self.compute_dtype is not None:
+        if self.compute_dtype is not None:  # a new half-precision copy, whole
             keep = self._half_ratio()
+        else:  # beside the shard it holds; with offload, all of it
+            keep = 1.0 if self.offload else 1 - 1 / self.shards(world_size)
         live = sum(units) if not self.reshard_after_forward else sum(sorted(units)[-2:])
         return (root + live) * keep + max(units, default=root)
 
