@@ -13,10 +13,15 @@ shows as an interval that lies below 0.97; noise, as a wide one around 1. Even s
 shared 2-core machine DDP's ratio has moved between invocations by more than its interval
 (0.92 to 0.99). So a second measure follows that noise cannot hide: the microseconds
 telemetry adds to a step, from a 1-rank run of a tiny model whose step takes a few
-hundred microseconds (launch and the first 50 steps excluded). At a step time T the
-ratio is then T / (T + added). Beside it, the same tiny run with telemetry off and no-op
-hooks at the points the time breakdown hooks (``hooked_as_telemetry_hooks``): what torch
-charges for a hook's being there, apart from what telemetry's hooks do.
+hundred microseconds (launch and the first 50 steps excluded), all runs on one warm rank
+of a ``RankPool`` (separate launches differed by up to 300 µs a step between themselves
+on this machine; the same rank's runs by ~20). At a step time T the ratio is then
+T / (T + added). Split into the loop thread's CPU, the telemetry sender's (it encodes the
+events, holding the GIL) and the kernel's (it parses them; on 2 cores it takes one from a
+rank whose second OpenMP thread spins between parallel regions). Beside it: the same with
+every step timed (``timing="every step"``; the default times a sample of steps under 5
+ms), and telemetry off with no-op hooks at the points the time breakdown hooks
+(``hooked_as_telemetry_hooks``): what torch charges for a hook's being there.
 
 ``--compile before`` compiles the model before ``ctx.setup`` (the wrapper's hooks stay
 outside the compiled code), ``--compile after`` the model ``ctx.setup`` returns (the
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import threading
 import time
 
 import torch
@@ -101,7 +107,9 @@ def hooked_as_telemetry_hooks(model: nn.Module, opt: torch.optim.Optimizer) -> N
 
 def tiny(ctx, steps: int, bare_hooks: bool = False):
     """A step of a few hundred microseconds, so what telemetry adds is most of the difference.
-    ``bare_hooks``: with ``hooked_as_telemetry_hooks`` (run with telemetry off)."""
+    ``bare_hooks``: with ``hooked_as_telemetry_hooks`` (run with telemetry off). Returns
+    seconds per step of the wall clock, of the loop thread's CPU and of the telemetry
+    sender thread's CPU (0 without one)."""
     torch.manual_seed(0)
     model = nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -110,36 +118,53 @@ def tiny(ctx, steps: int, bare_hooks: bool = False):
         hooked_as_telemetry_hooks(model, opt)
     data = torch.utils.data.TensorDataset(torch.randn(4 * steps, 8),
                                           torch.randint(0, 2, (4 * steps,)))
-    start = cpu = None
+    sender = next((time.pthread_getcpuclockid(t.ident) for t in threading.enumerate()
+                   if t.name == "nbtrain-telemetry-send"), None)
+    start = cpu = sent = None
     for i, (x, y) in enumerate(ctx.dataloader(data, batch_size=4)):
         if i == 50:
             start, cpu = time.perf_counter(), time.thread_time()
+            sent = time.clock_gettime(sender) if sender is not None else 0.0
         loss = nn.functional.cross_entropy(model(x), y)
         ctx.backward(loss)
         opt.step()
         opt.zero_grad()
         ctx.log(loss=loss)
-    return ((time.perf_counter() - start) / (steps - 50),
-            (time.thread_time() - cpu) / (steps - 50))
+    n = steps - 50
+    return ((time.perf_counter() - start) / n, (time.thread_time() - cpu) / n,
+            ((time.clock_gettime(sender) if sender is not None else 0.0) - sent) / n)
 
 
-TINY = {"off": (False, False), "default": (True, False), "bare hooks": (False, True)}
+TINY = {"off": (False, False), "default": (True, False), "bare hooks": (False, True),
+        "every step timed": (nbtrain.Telemetry(timing="every step"), False)}
+FIGURES = ("wall", "loop thread's CPU", "sender thread's CPU", "kernel's CPU")
 
 
-def added_per_step(strategy: str, rounds: int = 6, steps: int = 3000
-                   ) -> dict[str, tuple[float, float]]:
-    """Median seconds per step, of the wall clock and of the training loop's own thread's
-    CPU, with telemetry off, on (the default), and off with ``hooked_as_telemetry_hooks``'
-    hooks; 1 rank, interleaved rounds."""
-    times: dict[str, list[tuple[float, float]]] = {kind: [] for kind in TINY}
-    for i in range(rounds):
-        for kind in (list(TINY) if i % 2 == 0 else list(reversed(TINY))):
-            telemetry, bare = TINY[kind]
-            times[kind].append(nbtrain.launch(tiny, steps, bare, devices=1, accelerator="cpu",
-                                              strategy=strategy, telemetry=telemetry,
-                                              dashboard=False).result)
-    return {kind: (statistics.median(v[0] for v in values),
-                   statistics.median(v[1] for v in values)) for kind, values in times.items()}
+def added_per_step(strategy: str, rounds: int = 10, steps: int = 1500
+                   ) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """What each kind in ``TINY`` adds to a tiny step over telemetry off: for each figure
+    of ``FIGURES``, the median and quartiles of the rounds' paired differences, in
+    seconds. One warm rank (a ``RankPool``) runs every kind, in rounds whose order
+    alternates: separate launches differ by more than telemetry costs on a shared 2-core
+    machine (one process's threads land on the cores better than the next one's), the
+    same process's runs a few seconds apart do not."""
+    figures: dict[str, list[tuple[float, ...]]] = {kind: [] for kind in TINY}
+    with nbtrain.RankPool(devices=1, accelerator="cpu") as pool:
+        for i in range(rounds):
+            for kind in (list(TINY) if i % 2 == 0 else list(reversed(TINY))):
+                telemetry, bare = TINY[kind]
+                kernel = time.process_time()
+                run = pool.launch(tiny, steps, bare, strategy=strategy, telemetry=telemetry,
+                                  dashboard=False)
+                figures[kind].append((*run.result, (time.process_time() - kernel) / steps))
+    out = {}
+    for kind in list(TINY)[1:]:
+        out[kind] = {}
+        for j, name in enumerate(FIGURES):
+            d = sorted(a[j] - b[j] for a, b in zip(figures[kind], figures["off"], strict=True))
+            out[kind][name] = (statistics.median(d), d[len(d) // 4], d[(3 * len(d)) // 4])
+    out["off"] = {"wall": (statistics.median(f[0] for f in figures["off"]),) * 3}
+    return out
 
 
 def paired_interval(values: list[float], base: list[float], draws: int = 2000,
@@ -157,11 +182,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--strategies", default="ddp,fsdp")
-    parser.add_argument("--tiny-rounds", type=int, default=6,
+    parser.add_argument("--tiny-rounds", type=int, default=10,
                         help="rounds of the 1-rank tiny-model measure (0: none)")
     parser.add_argument("--compile", choices=("before", "after"),
                         help="torch.compile the model before ctx.setup, or the one it returns")
-    parser.add_argument("--tiny-steps", type=int, default=3000)
+    parser.add_argument("--tiny-steps", type=int, default=1500)
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"a comma-separated subset of: {', '.join(MODES)} ('off' is "
                              "always measured)")
@@ -193,19 +218,20 @@ def main() -> None:
                   f"{low:7.3f}-{high:.3f}")
     if args.tiny_rounds < 1:
         return
-    print(f"\nWhat default telemetry adds to a step (1 rank, a tiny model, median of "
-          f"{args.tiny_rounds} rounds):")
+    print(f"\nWhat telemetry adds to a tiny step (1 warm rank, {args.tiny_steps} steps a run, "
+          f"median of {args.tiny_rounds} rounds' paired differences [quartiles]):")
     for strategy in args.strategies.split(","):
-        median = added_per_step(strategy, args.tiny_rounds, args.tiny_steps)
-        (off, off_cpu), (on, on_cpu) = median["off"], median["default"]
-        added, hooked = on - off, median["bare hooks"][0] - off
-        print(f"  {strategy:14s} {off * 1e6:6.0f} us/step off, {on * 1e6:6.0f} on: adds "
-              f"{added * 1e6:4.0f} us; ratio >= 0.97 for steps of {added * 32e3:.1f} ms and "
-              "longer")
-        print(f"  {'':14s} of it, the loop's own thread's CPU: {(on_cpu - off_cpu) * 1e6:4.0f} us "
-              "(the rest: waiting, for the GIL or a core the kernel's listener shares)")
-        print(f"  {'':14s} the same hooks doing nothing add {hooked * 1e6:4.0f} us (torch's "
-              f"price of being hooked there); telemetry's own work {(added - hooked) * 1e6:4.0f} us")
+        added = added_per_step(strategy, args.tiny_rounds, args.tiny_steps)
+        print(f"  {strategy}: a step takes {added.pop('off')['wall'][0] * 1e6:.0f} us with "
+              "telemetry off")
+        for kind, figures in added.items():
+            cells = "  ".join(f"{name} {m * 1e6:+4.0f} [{lo * 1e6:+.0f}, {hi * 1e6:+.0f}]"
+                              for name, (m, lo, hi) in figures.items())
+            print(f"    {kind:17s} {cells}")
+        wall = added["default"]["wall"][0]
+        print(f"    default: ratio >= 0.97 for steps of {wall * 32e3:.1f} ms and longer. The "
+              "wall figure less the loop thread's CPU is waiting: for the GIL the sender "
+              "holds while it encodes, and for a core the kernel's listener shares")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ SMALL = {
     "launch.py": ("--repeats 1", "call->step"),
     "spawn_breakdown.py": ("--repeats 1", "first optimizer"),
     "telemetry_overhead.py": ("--steps 20 --rounds 1 --tiny-rounds 1 --tiny-steps 100 "
-                              "--strategies ddp", "price of being hooked"),
+                              "--strategies ddp", "every step timed"),
     # two of its seven rows: each row is one launch of the same code with another strategy
     "gpu_table.py": ("--accelerator cpu --width 64 --depth 1 --batch 2 --seq 16 --steps 3 "
                      "--rows DDP 'FULL_SHARD + AC'", "FULL_SHARD + AC"),

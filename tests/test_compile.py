@@ -21,9 +21,12 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 STRATEGIES = ("ddp", "fsdp")
 
 
+EVERY_STEP = nbtrain.Telemetry(timing="every step")  # each step's phases are checked
+
+
 def launch(*args, **kwargs):
     return nbtrain.launch(compile_train, *args, devices=2, accelerator="cpu",
-                          dashboard=False, **kwargs)
+                          dashboard=False, telemetry=EVERY_STEP, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +94,8 @@ def test_a_compiled_optimizer_step_is_still_each_steps_end_and_adds_no_graph_bre
     a compiled Adam step 4 times (torch's own step breaks once) and dynamo warned."""
     off = nbtrain.launch(compiled_step_train, devices=2, accelerator="cpu", telemetry=False,
                          dashboard=False)
-    on = nbtrain.launch(compiled_step_train, devices=2, accelerator="cpu", dashboard=False)
+    on = nbtrain.launch(compiled_step_train, devices=2, accelerator="cpu", dashboard=False,
+                        telemetry=EVERY_STEP)
     assert on.results[0] <= off.results[0], (on.results, off.results)  # torch's own: 1
     assert [e.step for e in on.history.events("step", 0)] == [0, 1, 2, 3]
     assert all(e.phases["optimizer"] > 0 for e in on.history.events("step", 0))

@@ -304,7 +304,7 @@ def test_an_evaluation_inside_a_step_pauses_it(strategy):
     """The step an evaluation interrupts keeps its own work (its forward, backward and
     optimizer step) and not the evaluation's second, nor its forwards or collectives."""
     run = nbtrain.launch(evaluates_at_the_top_of_the_loop, devices=2, strategy=strategy,
-                         dashboard=False)
+                         dashboard=False, telemetry=nbtrain.Telemetry(timing="every step"))
     assert run.results == [torch.Size([N_VAL])] * 2
     for rank in (0, 1):
         steps = run.history.events("step", rank)

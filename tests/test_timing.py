@@ -15,7 +15,7 @@ from torch import nn
 import nbtrain
 from nbtrain.telemetry.events import Step, decode, encode
 from nbtrain.telemetry.summary import summarize
-from nbtrain.telemetry.timing import PHASES, StepClock
+from nbtrain.telemetry.timing import PHASES, SAMPLE_S, StepClock
 
 # each phase goes out rounded to the microsecond, so a sum of k phases may be k/2 us off
 _ROUNDED = 0.5e-6
@@ -187,9 +187,49 @@ def test_timing_can_be_turned_off():
     run = nbtrain.launch(_one_step, devices=2, accelerator="cpu", dashboard=False,
                          telemetry=nbtrain.Telemetry(timing=False))
     assert all(not e.phases for e in run.history.events("step"))
-    run = nbtrain.launch(_one_step, devices=2, accelerator="cpu", dashboard=False)
+    run = nbtrain.launch(_one_step, devices=2, accelerator="cpu", dashboard=False,
+                         telemetry=nbtrain.Telemetry(timing="every step"))
     assert all(set(e.phases) == set(PHASES) for e in run.history.events("step"))
     assert all(e.phases["data"] > 0 for e in run.history.events("step"))  # ctx.dataloader
+    # the default: these sub-millisecond steps are sampled, each rank's first step timed
+    run = nbtrain.launch(_one_step, devices=2, accelerator="cpu", dashboard=False)
+    steps = run.history.events("step")
+    assert {e.rank for e in steps if e.step == 0 and set(e.phases) == set(PHASES)} == {0, 1}
+    assert all(set(e.phases) in (set(), set(PHASES)) for e in steps)
+    with pytest.raises(ValueError, match="every step"):
+        nbtrain.Telemetry(timing="sometimes")
+
+
+def test_steps_under_sample_s_are_timed_at_random_in_proportion_to_their_length():
+    """A step of SAMPLE_S or more is always timed; a shorter one with a chance of its
+    length over SAMPLE_S, so the breakdown costs a tiny step little. An untimed step
+    registers no autograd hook and has no phases; the mean over timed steps is unbiased
+    (the chance is the same for every step, whatever its place in a pattern)."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock = StepClock()
+    clock.watch(model, [opt])
+    hooked = []
+    original = torch.Tensor.register_hook
+    try:
+        torch.Tensor.register_hook = lambda t, fn: hooked.append(fn) or original(t, fn)
+        timed = 0
+        for i in range(4000):
+            was = clock.timed
+            hooked.clear()
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            phases = clock.take(SAMPLE_S / 10 if i >= 100 else SAMPLE_S)
+            assert bool(phases) == was and bool(hooked) == was
+            timed += was and i >= 100
+        assert 0.07 < timed / 3900 < 0.13  # one in ten, about
+        long = [clock.take(SAMPLE_S * 2) for _ in range(20)][10:]  # the mean catches up
+        assert all(long)
+    finally:
+        torch.Tensor.register_hook = original
+        clock.uninstall()
+    every = StepClock(sample_s=0.0)
+    assert all(every.take(1e-6) for _ in range(50))
 
 
 def _one_step(ctx):

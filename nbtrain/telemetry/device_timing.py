@@ -31,11 +31,12 @@ class DeviceStepClock(StepClock):
     backward and optimizer are the device's time between their marks, less the waits on
     collectives inside them; comm is those waits plus the final callbacks' wait for the
     gradients' communication; data is the host's (the loader runs there); other is the
-    rest of the step. ``event`` makes a timing event (a fake in tests)."""
+    rest of the step. ``event`` makes a timing event (a fake in tests). Every step is
+    timed: its marks are queued on the device, and a step's events read once complete."""
 
     def __init__(self, event: Callable[[], Any] | None = None,
                  stream: Callable[[], Any] | None = None):
-        super().__init__()
+        super().__init__(sample_s=0.0)
         self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
         self._stream = stream or torch.cuda.current_stream
         self._compute = None  # the stream the forward runs on

@@ -24,7 +24,7 @@ from .probes import (
     memory_by_category,
 )
 from .settings import Telemetry
-from .timing import StepClock, outside_graphs
+from .timing import SAMPLE_S, StepClock, outside_graphs
 
 METRIC_BATCH = 16  # ctx.log calls whose accelerator tensors are read back together
 EVALUATION_EVERY_S = 1.0  # an evaluation's progress goes out at most this often
@@ -41,7 +41,8 @@ class Recorder:
         # closes the optimizer phase before the step's boundary reads it
         self.clock = None
         if settings.timing:
-            self.clock = DeviceStepClock() if device.type == "cuda" else StepClock()
+            self.clock = (DeviceStepClock() if device.type == "cuda" else
+                          StepClock(0.0 if settings.timing == "every step" else SAMPLE_S))
         if self.clock is not None:
             self.clock.install_waits()
         self.comm = CommCounter() if settings.comm else None

@@ -22,14 +22,20 @@ class Telemetry:
     # Count collectives (op type, calls, logical bytes) per step.
     comm: bool = True
     # Measure where each step's time goes on each rank (data, forward, backward,
-    # optimizer, communication waited for, other): a few Python calls per step.
-    timing: bool = True
+    # optimizer, communication waited for, other): a few Python calls per step. True:
+    # every step of 5 ms or more, and a random sample of shorter ones on a CPU rank (about
+    # one timed step per 5 ms: a tiny step's breakdown cost as much as 10 % of it); the
+    # others' Step events have no phases. "every step": every step, however short.
+    timing: bool | str = True
     # Also measure activations (bytes saved for backward by the forward of the model
     # ctx.setup returned) and the step's tensor-level peak, on the memory-sampled steps:
     # the Memory events gain "activations" and "peak".
     profile_memory: bool = False
 
     def __post_init__(self) -> None:
+        if self.timing not in (True, False, "every step"):
+            raise ValueError(f"timing={self.timing!r}: give True (every step of 5 ms or "
+                             "more, a sample of shorter ones), False, or \"every step\".")
         if not isinstance(self.memory_every, int) or self.memory_every < 0:
             raise ValueError(f"memory_every={self.memory_every!r} must be an int >= 0 "
                              "(0 turns memory sampling off).")
