@@ -40,6 +40,11 @@ def test_events_round_trip_and_reject_junk():
     assert decode(b'{"v": 99, "kind": "metric", "rank": 0, "step": 0, "t": 0}') is None
     assert decode(json.dumps({"v": 1, "kind": "metric", "rank": 0, "step": 0, "t": 0,
                               "values": {"loss": "NaN-string"}}).encode()) is None
+    assert decode(b'[1, 2]') is None and decode(b'"metric"') is None
+    # a newer rank's field this version does not know is left out, the event kept
+    newer = json.dumps({"v": 1, "kind": "metric", "rank": 1, "step": 3, "t": 1.5,
+                        "values": {"loss": 0.25}, "unit": "nats"}).encode()
+    assert decode(newer) == m
 
 
 def test_every_event_arrives_in_order_per_rank():

@@ -172,18 +172,23 @@ def decode_many(data: bytes) -> list[Event | None]:
 
 def _event(body: Any) -> Event | None:
     try:
-        kind = body["kind"]
+        kind = body.pop("kind")
         cls = EVENT_TYPES[kind]
-        if body.get("v") != SCHEMA_VERSION:
+        if body.pop("v", None) != SCHEMA_VERSION:
             return None
-        event = cls(**{name: body[name] for name in _FIELDS[kind] if name in body})
+        try:
+            event = cls(**body)
+        except TypeError:  # a field this version does not know (a newer rank's): left out
+            event = cls(**{name: body[name] for name in _FIELDS[kind] if name in body})
         if type(event.rank) is not int or type(event.step) is not int:
             return None
         for name in _MAPPINGS[kind]:
             mapping = getattr(event, name)
-            if not (isinstance(mapping, dict)
-                    and all(type(v) in (int, float) for v in mapping.values())):
+            if not (isinstance(mapping, dict) and _NUMBERS.issuperset(map(type, mapping.values()))):
                 return None
         return event
-    except (KeyError, TypeError):
+    except (KeyError, TypeError, AttributeError):
         return None
+
+
+_NUMBERS = frozenset((int, float))
