@@ -35,6 +35,7 @@ class Recorder:
                  settings: Telemetry):
         self.rank = rank
         self.device = device
+        self._cuda = device.type == "cuda"
         self.client = client
         self.settings = settings
         # where each step's time goes; installed first, so that its optimizer post-hook
@@ -232,7 +233,7 @@ class Recorder:
             self._forget()
         self._close_step(now)
         self._step, self._last, self._samples = step, now, samples
-        if self.device.type == "cuda":  # the peak read after this step is this step's
+        if self._cuda:  # the peak read after this step is this step's
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def _close_step(self, now: float) -> None:
@@ -240,14 +241,20 @@ class Recorder:
             return
         duration = now - self._last
         step, samples, epoch, total = self._step, self._samples, self._epoch, self.total_steps
+        clock = self.clock
+        if clock is None or not clock.holds:  # the step's event now (a host clock's phases)
+            self.client.send(Step(rank=self.rank, step=step, t=now, duration=duration,
+                                  samples=samples, epoch=epoch[0], epoch_steps=epoch[1],
+                                  total_steps=total,
+                                  phases=clock.take(duration) if clock is not None else {}))
+        else:  # a CUDA rank's, once its events are read
+            def made(phases):
+                return Step(rank=self.rank, step=step, t=now, duration=duration,
+                            samples=samples, epoch=epoch[0], epoch_steps=epoch[1],
+                            total_steps=total, phases=phases)
 
-        def made(phases):  # what this step was, whenever its phases are known
-            return Step(rank=self.rank, step=step, t=now, duration=duration, samples=samples,
-                        epoch=epoch[0], epoch_steps=epoch[1], total_steps=total, phases=phases)
-
-        # with the breakdown, once known (a CUDA rank's, when its events have completed)
-        for ready in self.clock.close(made, duration) if self.clock else [made({})]:
-            self.client.send(ready)
+            for ready in clock.close(made, duration):
+                self.client.send(ready)
         if self.comm:
             counts, sizes = self.comm.take()
             buckets = self._ddp.take() if self._ddp is not None else []
@@ -305,10 +312,9 @@ class Recorder:
                 if value.numel() != 1:
                     raise ValueError(f"ctx.log({key}=...) takes a scalar; got a tensor of shape "
                                      f"{tuple(value.shape)}. Log a reduction such as .mean().")
-                value = value.detach()
                 if value.device.type != "cpu":
                     on_accelerator = True
-                    value = value.clone()
+                    value = value.detach().clone()
                 else:
                     value = value.item()
             elif isinstance(value, (int, float)) or hasattr(value, "__float__"):

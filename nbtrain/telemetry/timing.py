@@ -63,6 +63,8 @@ class StepClock:
     """Accumulates each phase's seconds between ``take()`` calls (one per step).
     ``sample_s``: steps shorter than it are timed at random (0: every step)."""
 
+    holds = False  # a step's phases are known at its end (``take``); a device clock's later
+
     def __init__(self, sample_s: float = SAMPLE_S):
         self.timed = True  # whether the step in progress is timed
         self._sample_s = sample_s
