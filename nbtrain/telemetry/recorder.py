@@ -243,10 +243,10 @@ class Recorder:
         step, samples, epoch, total = self._step, self._samples, self._epoch, self.total_steps
         clock = self.clock
         if clock is None or not clock.holds:  # the step's event now (a host clock's phases)
-            self.client.send(Step(rank=self.rank, step=step, t=now, duration=duration,
-                                  samples=samples, epoch=epoch[0], epoch_steps=epoch[1],
-                                  total_steps=total,
-                                  phases=clock.take(duration) if clock is not None else {}))
+            self.client.send(Step.of(rank=self.rank, step=step, t=now, duration=duration,
+                                     samples=samples, epoch=epoch[0], epoch_steps=epoch[1],
+                                     total_steps=total,
+                                     phases=clock.take(duration) if clock is not None else {}))
         else:  # a CUDA rank's, once its events are read
             def made(phases):
                 return Step(rank=self.rank, step=step, t=now, duration=duration,
@@ -262,8 +262,8 @@ class Recorder:
                 counts["all_reduce"] = counts.get("all_reduce", 0) + len(buckets)
                 sizes["all_reduce"] = sizes.get("all_reduce", 0) + sum(buckets)
             if counts:
-                self.client.send(Comm(rank=self.rank, step=self._step, t=now,
-                                      counts=counts, bytes=sizes))
+                self.client.send(Comm.of(rank=self.rank, step=self._step, t=now,
+                                         counts=counts, bytes=sizes))
 
     def _forget(self) -> None:
         """What ran between two steps (an evaluation's forwards and collectives) is in
@@ -324,8 +324,8 @@ class Recorder:
                                 f"{type(value).__name__}.")
             values[key] = value
         if not (on_accelerator or self._pending):  # numbers already: out at once
-            self.client.send(Metric(rank=self.rank, step=step, t=time.monotonic(),
-                                    values=values))
+            self.client.send(Metric.of(rank=self.rank, step=step, t=time.monotonic(),
+                                       values=values))
             return
         self._pending.append((step, time.monotonic(), values))
         if not on_accelerator or len(self._pending) >= METRIC_BATCH:
