@@ -402,10 +402,9 @@ class Context:
         ``ctx.dataloader``, which counts them itself): throughput and scaling are then
         measured in samples, not steps.
         """
-        if "samples" in metrics:
-            samples = samples_given(metrics.pop("samples"))
-            if samples and self._recorder is not None:
-                self._recorder.count_samples(samples)
+        samples = samples_given(metrics.pop("samples", None))
+        if samples and self._recorder is not None:
+            self._recorder.count_samples(samples)
         if not metrics or self._recorder is None:
             return
         self._recorder.log(self.step, metrics)
