@@ -25,8 +25,9 @@ EVERY_STEP = nbtrain.Telemetry(timing="every step")  # each step's phases are ch
 
 
 def launch(*args, **kwargs):
+    kwargs.setdefault("telemetry", EVERY_STEP)
     return nbtrain.launch(compile_train, *args, devices=2, accelerator="cpu",
-                          dashboard=False, telemetry=EVERY_STEP, **kwargs)
+                          dashboard=False, **kwargs)
 
 
 @pytest.fixture(scope="module")
