@@ -141,8 +141,9 @@ FIGURES = ("wall", "loop thread's CPU", "sender thread's CPU", "kernel's CPU")
 
 
 def added_per_step(strategy: str, rounds: int = 10, steps: int = 1500
-                   ) -> dict[str, dict[str, tuple[float, float, float]]]:
-    """What each kind in ``TINY`` adds to a tiny step over telemetry off: for each figure
+                   ) -> tuple[float, dict[str, dict[str, tuple[float, float, float]]]]:
+    """Seconds a tiny step takes with telemetry off (median), and what each other kind in
+    ``TINY`` adds to it: for each figure
     of ``FIGURES``, the median and quartiles of the rounds' paired differences, in
     seconds. One warm rank (a ``RankPool``) runs every kind, in rounds whose order
     alternates: separate launches differ by more than telemetry costs on a shared 2-core
@@ -163,8 +164,7 @@ def added_per_step(strategy: str, rounds: int = 10, steps: int = 1500
         for j, name in enumerate(FIGURES):
             d = sorted(a[j] - b[j] for a, b in zip(figures[kind], figures["off"], strict=True))
             out[kind][name] = (statistics.median(d), d[len(d) // 4], d[(3 * len(d)) // 4])
-    out["off"] = {"wall": (statistics.median(f[0] for f in figures["off"]),) * 3}
-    return out
+    return statistics.median(f[0] for f in figures["off"]), out
 
 
 def paired_interval(values: list[float], base: list[float], draws: int = 2000,
@@ -221,9 +221,8 @@ def main() -> None:
     print(f"\nWhat telemetry adds to a tiny step (1 warm rank, {args.tiny_steps} steps a run, "
           f"median of {args.tiny_rounds} rounds' paired differences [quartiles]):")
     for strategy in args.strategies.split(","):
-        added = added_per_step(strategy, args.tiny_rounds, args.tiny_steps)
-        print(f"  {strategy}: a step takes {added.pop('off')['wall'][0] * 1e6:.0f} us with "
-              "telemetry off")
+        off, added = added_per_step(strategy, args.tiny_rounds, args.tiny_steps)
+        print(f"  {strategy}: a step takes {off * 1e6:.0f} us with telemetry off")
         for kind, figures in added.items():
             cells = "  ".join(f"{name} {m * 1e6:+4.0f} [{lo * 1e6:+.0f}, {hi * 1e6:+.0f}]"
                               for name, (m, lo, hi) in figures.items())

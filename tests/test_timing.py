@@ -200,34 +200,33 @@ def test_timing_can_be_turned_off():
         nbtrain.Telemetry(timing="sometimes")
 
 
-def test_steps_under_sample_s_are_timed_at_random_in_proportion_to_their_length():
+def test_steps_under_sample_s_are_timed_at_random_in_proportion_to_their_length(monkeypatch):
     """A step of SAMPLE_S or more is always timed; a shorter one with a chance of its
     length over SAMPLE_S, so the breakdown costs a tiny step little. An untimed step
     registers no autograd hook and has no phases; the mean over timed steps is unbiased
-    (the chance is the same for every step, whatever its place in a pattern)."""
+    (the chance is the same for every step, whatever its place in a pattern). The
+    durations are given, and the clock's stream is its own and seeded: no timing here."""
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     clock = StepClock()
     clock.watch(model, [opt])
     hooked = []
     original = torch.Tensor.register_hook
-    try:
-        torch.Tensor.register_hook = lambda t, fn: hooked.append(fn) or original(t, fn)
-        timed = 0
-        for i in range(4000):
-            was = clock.timed
-            hooked.clear()
-            model(torch.randn(3, 4)).sum().backward()
-            opt.step()
-            phases = clock.take(SAMPLE_S / 10 if i >= 100 else SAMPLE_S)
-            assert bool(phases) == was and bool(hooked) == was
-            timed += was and i >= 100
-        assert 0.07 < timed / 3900 < 0.13  # one in ten, about
-        long = [clock.take(SAMPLE_S * 2) for _ in range(20)][10:]  # the mean catches up
-        assert all(long)
-    finally:
-        torch.Tensor.register_hook = original
-        clock.uninstall()
+    monkeypatch.setattr(torch.Tensor, "register_hook",
+                        lambda t, fn: hooked.append(fn) or original(t, fn))
+    timed = 0
+    for i in range(4000):
+        was = clock.timed
+        hooked.clear()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        phases = clock.take(SAMPLE_S / 10 if i >= 100 else SAMPLE_S)
+        assert bool(phases) == was and bool(hooked) == was
+        timed += was and i >= 100
+    assert 0.07 < timed / 3900 < 0.13  # one in ten, about
+    long = [clock.take(SAMPLE_S * 2) for _ in range(20)][10:]  # the mean catches up
+    assert all(long)
+    clock.uninstall()
     every = StepClock(sample_s=0.0)
     assert all(every.take(1e-6) for _ in range(50))
 

@@ -34,8 +34,6 @@ class DeviceStepClock(StepClock):
     rest of the step. ``event`` makes a timing event (a fake in tests). Every step is
     timed: its marks are queued on the device, and a step's events read once complete."""
 
-    holds = True  # a step's phases wait for its events: close() hands them out when read
-
     def __init__(self, event: Callable[[], Any] | None = None,
                  stream: Callable[[], Any] | None = None):
         super().__init__(sample_s=0.0)

@@ -241,20 +241,15 @@ class Recorder:
             return
         duration = now - self._last
         step, samples, epoch, total = self._step, self._samples, self._epoch, self.total_steps
-        clock = self.clock
-        if clock is None or not clock.holds:  # the step's event now (a host clock's phases)
-            self.client.send(Step.of(rank=self.rank, step=step, t=now, duration=duration,
-                                     samples=samples, epoch=epoch[0], epoch_steps=epoch[1],
-                                     total_steps=total,
-                                     phases=clock.take(duration) if clock is not None else {}))
-        else:  # a CUDA rank's, once its events are read
-            def made(phases):
-                return Step(rank=self.rank, step=step, t=now, duration=duration,
-                            samples=samples, epoch=epoch[0], epoch_steps=epoch[1],
-                            total_steps=total, phases=phases)
 
-            for ready in clock.close(made, duration):
-                self.client.send(ready)
+        def made(phases):  # what this step was, whenever its phases are known
+            return Step.of(rank=self.rank, step=step, t=now, duration=duration,
+                           samples=samples, epoch=epoch[0], epoch_steps=epoch[1],
+                           total_steps=total, phases=phases)
+
+        # with the breakdown, once known (a CUDA rank's, when its events have completed)
+        for ready in self.clock.close(made, duration) if self.clock else [made({})]:
+            self.client.send(ready)
         if self.comm:
             counts, sizes = self.comm.take()
             buckets = self._ddp.take() if self._ddp is not None else []

@@ -63,8 +63,6 @@ class StepClock:
     """Accumulates each phase's seconds between ``take()`` calls (one per step).
     ``sample_s``: steps shorter than it are timed at random (0: every step)."""
 
-    holds = False  # a step's phases are known at its end (``take``); a device clock's later
-
     def __init__(self, sample_s: float = SAMPLE_S):
         self.timed = True  # whether the step in progress is timed
         self._sample_s = sample_s
@@ -239,8 +237,9 @@ class StepClock:
         none when it was not timed), and start the next step's, timed or not. (On every
         step: kept to a few lines.)"""
         acc, self._acc = self._acc, dict.fromkeys(PHASES, 0.0)
-        timed, typical = self.timed, self._typical
-        typical = self._typical = duration if not typical else 0.9 * typical + 0.1 * duration
+        timed = self.timed
+        typical = self._typical = (0.9 * self._typical + 0.1 * duration if self._typical
+                                   else duration)
         self.timed = typical >= self._sample_s or self._chance.random() * self._sample_s < typical
         waited = acc["comm"] = self._waited
         if waited:
