@@ -60,13 +60,26 @@ class Kernel:
         # display_data that arrived for a cell other than the one being read, by cell
         # (a listener shows later runs in the cell that opened it)
         self.late_displays: dict[str, list[dict]] = {}
-        self.km = KernelManager(kernel_name="python3")
         env = dict(os.environ)
         env.pop("PYTEST_CURRENT_TEST", None)
-        self.km.start_kernel(cwd=os.path.dirname(__file__), env=env)
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=120)
+        # jupyter_client picks free ports and the kernel binds them a moment later: on a
+        # busy machine another process can take one between (seen in CI: "ZMQError:
+        # Address already in use", then "Kernel died before replying"). A new kernel on
+        # new ports is what Jupyter's own restart does; after three, the error stands.
+        for attempt in range(3):
+            self.km = KernelManager(kernel_name="python3")
+            self.km.start_kernel(cwd=os.path.dirname(__file__), env=env)
+            self.kc = self.km.client()
+            self.kc.start_channels()
+            try:
+                self.kc.wait_for_ready(timeout=120)
+                break
+            except RuntimeError:
+                died = not self.km.is_alive()  # a kernel that is slow is not retried
+                self.kc.stop_channels()
+                self.km.shutdown_kernel(now=True)
+                if not died or attempt == 2:
+                    raise
         # On a timeout, SIGUSR1 makes the kernel (and its forked workers, which inherit
         # the handler) write every thread's Python stack here: a hang seen once in CI
         # can then be read, not guessed.

@@ -151,6 +151,26 @@ def _errors(console: list[str]) -> list[str]:
     return [m for m in console if m.startswith(("error", "pageerror"))]
 
 
+def _reopen_until_live(page, url: str, index: int, console: list[str], test) -> tuple:
+    """Reload the page and wait for cell ``index``'s chart to be live again: (what the
+    chart holds, seconds from the page being back). ipywidgets' manager, on a loaded
+    machine, can finish restoring the kernel's widgets before one of them was made and
+    then renders it as "widget model not found" for good (seen once in CI, with the
+    kernel's widget alive); a person reloads again, and so does this test, once, and
+    says so. Any other way of not being live fails here."""
+    for attempt in (1, 2):
+        seen = len(console)
+        lab.open_notebook(page, url)
+        back = time.monotonic()
+        charts = _wait_for(page, index, test, timeout=LIVE_AGAIN_S)
+        raced = [m for m in console[seen:] if "widget model not found" in m]
+        if test(charts) or attempt == 2 or not raced:
+            return charts, time.monotonic() - back
+        print(f"\nthe reloaded page lost the widget manager's race ({raced[0][:80]}); "
+              "reloading once more")
+        console[seen:] = [m for m in console[seen:] if m not in raced]
+
+
 def test_dashboards_survive_reloads_restarts_and_reopening(no_leftovers, tmp_path):
     SHOTS.mkdir(exist_ok=True)
     lab.write_notebook(tmp_path / "ui.ipynb", CELLS)
@@ -208,12 +228,12 @@ def test_dashboards_survive_reloads_restarts_and_reopening(no_leftovers, tmp_pat
             lab.run_cell(page, 3)
             _wait_for(page, 3, lambda c: c["points"] > 20)
             _save(page)
-            lab.open_notebook(page, url)
-            back = time.monotonic()  # the page is back: the run is live again in it
-            before = _wait_for(page, 3, lambda c: c["live"] and c["points"] > 0
-                               and RUNNING in c["text"], timeout=LIVE_AGAIN_S)
+            # the page is back: the run is live again in it
+            before, after_s = _reopen_until_live(
+                page, url, 3, console,
+                lambda c: c["live"] and c["points"] > 0 and RUNNING in c["text"])
             assert before["live"] and RUNNING in before["text"], before
-            print(f"live again {time.monotonic() - back:.1f} s after the page was back")
+            print(f"live again {after_s:.1f} s after the page was back")
             assert "model not found" not in before["text"], before["text"]
             later = _wait_for(page, 3, lambda c: c["points"] > before["points"])
             assert later["points"] > before["points"], (before, later)  # it goes on
@@ -322,13 +342,11 @@ def test_a_launch_in_notebook_7(no_leftovers, tmp_path):
         lab.run_cell(page, 3)
         _wait_for(page, 3, lambda c: c["points"] > 20)
         _save(page)
-        lab.open_notebook(page, url)
-        back = time.monotonic()
-        before = _wait_for(page, 3, lambda c: c["live"] and RUNNING in c["text"],
-                           timeout=LIVE_AGAIN_S)
+        before, after_s = _reopen_until_live(
+            page, url, 3, console, lambda c: c["live"] and RUNNING in c["text"])
         assert before["live"] and RUNNING in before["text"], before
         assert "model not found" not in before["text"], before["text"]
-        print(f"\nNotebook 7: live again {time.monotonic() - back:.1f} s after the page was back")
+        print(f"\nNotebook 7: live again {after_s:.1f} s after the page was back")
         (tmp_path / FLAG).touch()  # the run ends
         ended = _wait_for(page, 3, lambda c: c["traces"] and not c["live"], timeout=60)
         assert "rank 1: done" in ended["text"] and not ended["live"], ended
