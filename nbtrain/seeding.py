@@ -42,12 +42,35 @@ def rank_seed(seed: int, rank: int) -> int:
 
 def seed_all(seed: int) -> None:
     """Seed torch (CPU and CUDA), ``random`` and numpy, if installed, with ``seed``."""
-    import torch
-
     random.seed(seed)
-    torch.manual_seed(seed)  # also every CUDA device, lazily
+    _seed_torch(seed)
     try:
         import numpy
     except ImportError:
         return
     numpy.random.seed(seed)
+
+
+
+def _seed_torch(seed: int) -> None:
+    """``torch.manual_seed(seed)``, without its price where it does nothing more than seed
+    the CPU generator. For each device kind not initialised yet (CUDA, XPU, MTIA; built or
+    not) torch queues the seeding with ``traceback.format_stack()``, and a rank forked
+    inside a cell stands ~50 frames deep in the kernel's stack: formatting them (their
+    source lines read from disk) took 2-8 ms of every rank's start on 2 cores. A torch
+    built for the CPU alone has no other generator to seed: there the CPU's is seeded
+    directly. Any other build, or one this cannot tell, gets ``torch.manual_seed``."""
+    import torch
+
+    if _cpu_only_build(torch):
+        torch.default_generator.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)  # also every CUDA device, lazily
+
+
+def _cpu_only_build(torch) -> bool:
+    built = (torch.backends.cuda.is_built(), torch.backends.mps.is_built(),
+             getattr(getattr(torch, "xpu", None), "_is_compiled", lambda: True)(),
+             getattr(getattr(torch, "mtia", None), "_is_compiled", lambda: True)())
+    custom = getattr(torch._C, "_get_privateuse1_backend_name", lambda: "?")()
+    return not any(built) and custom == "privateuseone"

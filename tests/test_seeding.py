@@ -91,3 +91,32 @@ def test_a_bad_seed_fails_before_anything_starts():
         launch("fork", seed=True)
     with pytest.raises(ValueError, match=r"outside 0\.\.4294967295.*e\.g\. seed=4294967295"):
         launch("fork", seed=-1)
+
+
+
+@pytest.mark.parametrize("built", [(), ("cuda",), ("mps",), ("xpu",), ("mtia",),
+                                   ("custom",), ("unknown xpu",)])
+def test_only_a_torch_built_for_the_cpu_alone_skips_torch_manual_seed(monkeypatch, built):
+    """torch.manual_seed formats the stack once per device kind not yet initialised (2-8 ms
+    in a forked rank); a CPU-only build has nothing but the CPU generator to seed, any build
+    with a device kind (or an older torch that cannot say) still goes through it."""
+    from nbtrain import seeding
+
+    with torch.random.fork_rng():
+        torch.manual_seed(7)
+        want = torch.rand(4)
+        calls = []
+        monkeypatch.setattr(torch, "manual_seed", calls.append)
+        monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: "cuda" in built)
+        monkeypatch.setattr(torch.backends.mps, "is_built", lambda: "mps" in built)
+        monkeypatch.setattr(torch.xpu, "_is_compiled", lambda: "xpu" in built)
+        monkeypatch.setattr(torch.mtia, "_is_compiled", lambda: "mtia" in built)
+        if "custom" in built:
+            monkeypatch.setattr(torch._C, "_get_privateuse1_backend_name", lambda: "npu")
+        if "unknown xpu" in built:
+            monkeypatch.delattr(torch.xpu, "_is_compiled")
+        torch.default_generator.manual_seed(0)
+        seeding._seed_torch(7)
+        assert calls == ([7] if built else [])
+        if not built:  # the CPU generator as torch.manual_seed(7) leaves it
+            assert torch.equal(torch.rand(4), want)
