@@ -38,6 +38,8 @@ def forward() -> bool:
     if module is None or not module.InteractiveShell.initialized():
         return False
     shell = module.InteractiveShell.instance()
+    if getattr(shell, _PLAIN, False):  # the fork server's, not a kernel's: own_shell's
+        return False
     sessions = [getattr(getattr(shell, "display_pub", None), "session", None),
                 getattr(getattr(shell, "kernel", None), "session", None)]
     _no_widgets(shell)
@@ -146,16 +148,10 @@ def own_shell() -> bool:
     ``display()`` printed the text, a display handle was None (its ``update`` failed), a
     matplotlib figure read "Figure(640x480)". Give it a plain IPython shell (no history
     file, no kernel app) whose displays are written as records, as a forked rank's are."""
-    try:
-        from IPython.core.interactiveshell import InteractiveShell
-        from traitlets.config import Config
-    except ImportError:
+    shell = plain_shell()
+    if shell is None or getattr(shell, "_nbtrain_publishes", False):
         return False
-    if InteractiveShell.initialized():
-        return False
-    config = Config()
-    config.HistoryManager.enabled = False  # not the kernel's sqlite file, from every rank
-    shell = InteractiveShell.instance(config=config)
+    shell._nbtrain_publishes = True
     forwarder = _Forwarder()  # what a forked rank's session sends, from this publisher
 
     def publish(data, metadata=None, source=None, *, transient=None, update=False, **_):
@@ -166,6 +162,29 @@ def own_shell() -> bool:
     shell.display_pub.publish = publish
     shell.display_pub.clear_output = lambda wait=False: None  # the cell is not the rank's
     return True
+
+
+_PLAIN = "_nbtrain_plain"  # marks the shell plain_shell made
+
+
+def plain_shell():
+    """This process's plain IPython shell (no history file, no kernel app), made on the
+    first call; None where IPython is missing or the process has another shell (a
+    kernel's). The fork server makes it before it forks any rank
+    (``rank/server_shell.py``): building it took 35-45 ms of each rank's start."""
+    try:
+        from IPython.core.interactiveshell import InteractiveShell
+        from traitlets.config import Config
+    except ImportError:
+        return None
+    if InteractiveShell.initialized():
+        shell = InteractiveShell.instance()
+        return shell if getattr(shell, _PLAIN, False) else None
+    config = Config()
+    config.HistoryManager.enabled = False  # not the kernel's sqlite file, from every rank
+    shell = InteractiveShell.instance(config=config)
+    setattr(shell, _PLAIN, True)
+    return shell
 
 
 def _no_widgets(shell) -> None:

@@ -28,12 +28,12 @@ from .spawn import SpawnLauncher, with_exit_hint
 from .warm import COMMON
 
 # What every worker imports before the user's function runs, imported once in the server:
-# with IPython's shell, which a rank launched from a kernel builds (rank/displays.own_shell:
+# with IPython's shell, which a rank launched from a kernel takes (rank/displays.own_shell:
 # its import was 35-75 ms of each rank's start, more than half of what the fork server's
-# warm launch paid over fork's).
+# warm launch paid over fork's), made there too (rank/server_shell: 35-45 ms more).
 PRELOAD = ("torch", "torch.distributed", *COMMON, "dill", "nbtrain.rank.worker",
            "nbtrain.rank.pool_worker", "nbtrain.context", "nbtrain.telemetry.channel",
-           "IPython.core.interactiveshell", "traitlets.config")
+           "IPython.core.interactiveshell", "traitlets.config", "nbtrain.rank.server_shell")
 
 _lock = threading.Lock()
 
