@@ -6,6 +6,9 @@ the kernel. Supervision, errors and interrupts are those of every other start me
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import psutil
@@ -39,6 +42,14 @@ def failing(ctx):
     if ctx.rank == 1:
         raise KeyError("rank one has no key")
     dist.barrier()
+
+def shell_of_rank(ctx):
+    import sys
+    module = sys.modules.get("IPython.core.interactiveshell")
+    made = module is not None and module.InteractiveShell.initialized()
+    shell = module.InteractiveShell.instance() if made else None
+    return (type(shell).__name__ if made else None, getattr(shell, "_nbtrain_publishes", False),
+            getattr(shell, "_nbtrain_plain", None) == os.getppid())  # made in the server
 
 def sleepy(ctx):
     print("started", flush=True)
@@ -88,6 +99,28 @@ def test_after_cuda_the_default_starts_ranks_from_one_warm_server(k):
     assert len(servers(k.pid)) == 1
     left = wait_no_descendants(k.pid)
     assert not left, f"left behind: {[' '.join(p.cmdline())[:100] for p in left]}"
+
+
+def test_a_kernels_ranks_take_the_shell_the_server_made_and_a_scripts_have_none(k, tmp_path):
+    """The server makes a kernel's ranks' plain IPython shell once, before it forks
+    (rank/server_shell); each rank only routes its displays through it. A script's server
+    makes none: its ranks have no shell, as the script has none."""
+    reply = k.run("print('shells', nbtrain.launch(shell_of_rank, devices=2, "
+                  "dashboard=False).results)")
+    assert reply.error is None, reply.error
+    assert "shells [('InteractiveShell', True, True), ('InteractiveShell', True, True)]" \
+        in reply.stdout
+    script = tmp_path / "job.py"
+    script.write_text(CELL.replace("guards.FORK_CHECKS.append", "_ = ") + textwrap.dedent("""
+        if __name__ == "__main__":
+            run = nbtrain.launch(shell_of_rank, devices=2, accelerator="cpu",
+                                 start_method="forkserver", dashboard=False)
+            print("shells", run.results)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "shells [(None, False, False), (None, False, False)]" in done.stdout, done.stdout
 
 
 def test_a_failing_rank_is_named_with_its_traceback(k):

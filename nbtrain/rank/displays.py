@@ -164,7 +164,7 @@ def own_shell() -> bool:
     return True
 
 
-_PLAIN = "_nbtrain_plain"  # marks the shell plain_shell made
+_PLAIN = "_nbtrain_plain"  # marks the shell plain_shell made: the pid of the process that made it
 
 
 def plain_shell():
@@ -183,7 +183,7 @@ def plain_shell():
     config = Config()
     config.HistoryManager.enabled = False  # not the kernel's sqlite file, from every rank
     shell = InteractiveShell.instance(config=config)
-    setattr(shell, _PLAIN, True)
+    setattr(shell, _PLAIN, os.getpid())
     return shell
 
 

@@ -22,6 +22,7 @@ import signal
 import threading
 from typing import Any
 
+from ...cells import current_kernel
 from ...spec import WorkerSpec
 from .launcher import WorkerHandle, start_with_context
 from .spawn import SpawnLauncher, with_exit_hint
@@ -30,10 +31,13 @@ from .warm import COMMON
 # What every worker imports before the user's function runs, imported once in the server:
 # with IPython's shell, which a rank launched from a kernel takes (rank/displays.own_shell:
 # its import was 35-75 ms of each rank's start, more than half of what the fork server's
-# warm launch paid over fork's), made there too (rank/server_shell: 35-45 ms more).
+# warm launch paid over fork's).
 PRELOAD = ("torch", "torch.distributed", *COMMON, "dill", "nbtrain.rank.worker",
            "nbtrain.rank.pool_worker", "nbtrain.context", "nbtrain.telemetry.channel",
-           "IPython.core.interactiveshell", "traitlets.config", "nbtrain.rank.server_shell")
+           "IPython.core.interactiveshell", "traitlets.config")
+# A kernel's server also makes that shell before it forks (35-45 ms more of each rank's
+# start); a script's ranks have none, as its own process has none.
+KERNEL_PRELOAD = ("nbtrain.rank.server_shell",)
 
 _lock = threading.Lock()
 
@@ -58,7 +62,8 @@ def ensure_running(extra: tuple[str, ...] = ()) -> int:
         # survives exec, and its children, the workers, unblock it once they ignore it).
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            server.set_forkserver_preload(list(dict.fromkeys((*PRELOAD, *extra))))
+            shell = KERNEL_PRELOAD if current_kernel() is not None else ()
+            server.set_forkserver_preload(list(dict.fromkeys((*PRELOAD, *shell, *extra))))
             server.ensure_running()
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
