@@ -192,7 +192,7 @@ def test_dashboards_survive_reloads_restarts_and_reopening(no_leftovers, tmp_pat
             while len(seen) < 200:
                 status = lab.kernel_status(page)
                 charts = _charts(page, 1)
-                statuses.append((status, "done" in charts["text"]))
+                statuses.append((status, "done" in charts["text"], "rank 1:" in charts["text"]))
                 seen.append(charts["points"])
                 if not shot and seen[-1] >= 60 and _charts(page, 1)["live"]:
                     _shot(page, 1, "dashboard_live.png")
@@ -207,9 +207,12 @@ def test_dashboards_survive_reloads_restarts_and_reopening(no_leftovers, tmp_pat
             assert seen_ms["header"] <= seen_ms["chart"], seen_ms
             live = sorted(p for p in set(seen) if p > 0)
             assert len(live) >= 3, f"the chart did not gain points while live: {seen}"
-            # busy while the cell ran: idle only before it started or once the run was done
-            began = next((i for i, (status, _) in enumerate(statuses) if status == "busy"), 0)
-            assert all(status != "idle" or done for status, done in statuses[began:]), statuses
+            # busy while the cell ran: idle only before it started (its header is not on the
+            # page yet: the cell may wait for the kernel's warm imports between cells, and
+            # the page's own requests meanwhile show busy a moment) or once the run was done
+            began = next((i for i, (_, _, shown) in enumerate(statuses) if shown), len(statuses))
+            assert began < len(statuses), statuses
+            assert all(status != "idle" or done for status, done, _ in statuses[began:]), statuses
             lab.wait_idle(page, 1)
             done = _wait_for(page, 1, lambda c: c["traces"] and not c["live"])
             assert "rank 1: done" in done["text"] and "ETA" not in done["text"], done["text"]
