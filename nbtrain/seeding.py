@@ -51,7 +51,6 @@ def seed_all(seed: int) -> None:
     numpy.random.seed(seed)
 
 
-
 def _seed_torch(seed: int) -> None:
     """``torch.manual_seed(seed)``, without its price where it does nothing more than seed
     the CPU generator. For each device kind not initialised yet (CUDA, XPU, MTIA; built or
