@@ -14,7 +14,17 @@ from nbtrain.telemetry.channel import (
     read_frame,
 )
 from nbtrain.telemetry.client import TelemetryClient
-from nbtrain.telemetry.events import Lifecycle, Metric, decode, encode, encode_many
+from nbtrain.telemetry.events import (
+    Comm,
+    Lifecycle,
+    Metric,
+    Step,
+    decode,
+    decode_many,
+    encode,
+    encode_many,
+    encode_rows,
+)
 
 
 class Collect:
@@ -45,6 +55,29 @@ def test_events_round_trip_and_reject_junk():
     newer = json.dumps({"v": 1, "kind": "metric", "rank": 1, "step": 3, "t": 1.5,
                         "values": {"loss": 0.25}, "unit": "nats"}).encode()
     assert decode(newer) == m
+
+
+def test_rows_carry_every_kind_and_stay_readable_across_versions():
+    """Protocol 4's rows: each event as its values in field order. A newer rank's row has
+    values past the fields known here (left out); an older one's fewer (defaults)."""
+    events = [Step(rank=0, step=4, t=1.0, duration=0.01, samples=8, epoch=1, epoch_steps=9,
+                   total_steps=90, phases={"forward": 0.004}),
+              Comm(rank=0, step=4, t=1.0, counts={"all_reduce": 2}, bytes={"all_reduce": 64}),
+              Metric(rank=0, step=4, t=1.5, values={"loss": 0.25}),
+              Lifecycle(rank=0, step=4, t=2.0, state="failed", detail="boom\nline")]
+    frame_body = encode_rows(events)
+    assert decode_many(frame_body) == events
+    assert len(frame_body) < len(encode_many(events)) * 0.7
+    rows = json.loads(frame_body)["rows"]
+    newer = json.dumps({"v": 1, "rows": [rows[2] + ["nats"]]}).encode()
+    older = json.dumps({"v": 1, "rows": [rows[0][:4]]}).encode()  # kind, rank, step, t
+    assert decode_many(newer) == [events[2]]
+    assert decode_many(older) == [Step(rank=0, step=4, t=1.0)]
+    # what is not a well-formed row is dropped alone; another schema's rows all are
+    broken = [["metric", 0, "four", 1.0, {}], ["metric", 0, 4, 1.0, {"x": "NaN-string"}],
+              ["pickle", 0, 4, 1.0], ["step"], {"kind": "step"}, "step", 7, rows[2]]
+    assert decode_many(json.dumps({"v": 1, "rows": broken}).encode()) == [None] * 7 + [events[2]]
+    assert decode_many(json.dumps({"v": 99, "rows": rows}).encode()) == [None] * 4
 
 
 def test_every_event_arrives_in_order_per_rank():
@@ -214,15 +247,18 @@ def test_a_client_refuses_a_listener_that_cannot_prove_the_token():
         fake.close()
 
 
-def test_a_listener_of_an_older_nbtrain_gets_one_event_a_frame():
-    """A rank batches its events into one frame only for a listener that reads arrays
-    (protocol 3): an older nbtrain's listener on another host still gets each event."""
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_a_listener_of_an_older_nbtrain_gets_events_it_reads(protocol):
+    """A rank sends rows only to a listener that reads them (protocol 4), an array of
+    events to one of protocol 3, and one event a frame to an older one: an older
+    nbtrain's listener on another host still gets each event."""
     fake = socket.create_server(("127.0.0.1", 0))
     frames = []
 
     def older():
         conn, _ = fake.accept()
-        conn.sendall(frame(json.dumps({"nbtrain": 2, "challenge": "00" * 16}).encode()))
+        conn.sendall(frame(json.dumps({"nbtrain": protocol,
+                                       "challenge": "00" * 16}).encode()))
         read_frame(conn)  # the hello
         try:
             while True:
@@ -240,7 +276,11 @@ def test_a_listener_of_an_older_nbtrain_gets_one_event_a_frame():
     finally:
         thread.join(5)
         fake.close()
-    assert [decode(f).step for f in frames] == [0, 1, 2]
+    if protocol == 2:
+        assert [decode(f).step for f in frames] == [0, 1, 2]
+    else:
+        assert len(frames) == 1 and isinstance(json.loads(frames[0]), list)
+        assert [e.step for e in decode_many(frames[0])] == [0, 1, 2]
 
 
 def test_garbage_and_oversized_frames_are_dropped_not_fatal():

@@ -39,8 +39,8 @@ MAX_FRAME = 1 << 20  # bytes; larger frames are skipped
 _HEADER = struct.Struct(">I")
 
 
-PROTOCOL = 3  # 3: a frame may hold an array of events; 2: challenge and HMAC (1 sent
-#              the token in the hello)
+PROTOCOL = 4  # 4: a frame may hold rows of events; 3: an array of events; 2: challenge
+#              and HMAC (1 sent the token in the hello)
 
 
 def mac(token: str, purpose: bytes, *parts: bytes) -> str:

@@ -9,10 +9,10 @@ import collections
 import socket
 import threading
 
-from .channel import MAX_FRAME, frame, handshake
-from .events import Event, encode, encode_many
+from .channel import MAX_FRAME, PROTOCOL, frame, handshake
+from .events import Event, encode, encode_many, encode_rows
 
-BATCH = 256  # events a frame holds at most (a step's are ~250 bytes; a frame, MAX_FRAME)
+BATCH = 256  # events a frame holds at most (a row is 40-250 bytes; a frame, MAX_FRAME)
 
 
 class TelemetryClient:
@@ -37,11 +37,11 @@ class TelemetryClient:
         # hello: the rank, plus what a remote job says about itself (run id...)
         greeting = {**(hello or {}), "rank": rank}
         self._handshake = lambda: handshake(self._sock, token, greeting, connect_timeout)
-        self._many = True  # frames of several events (a listener of protocol 3 or later)
+        self._protocol = PROTOCOL  # the listener's: how a frame holds several events
         if greeting.get("ack") is True:
             # a listener elsewhere: the rank must know now whether it took the token
             try:
-                self._many = self._handshake() >= 3
+                self._protocol = self._handshake()
             except BaseException:
                 self._sock.close()
                 raise
@@ -81,9 +81,9 @@ class TelemetryClient:
         for i in range(0, len(events), BATCH):
             chunk = events[i:i + BATCH]
             body = None
-            if self._many:
+            if self._protocol >= 3:  # rows (4), or an array of objects (3)
                 try:
-                    body = encode_many(chunk)
+                    body = (encode_rows if self._protocol >= 4 else encode_many)(chunk)
                 except Exception:  # one event that cannot be encoded must not end the stream
                     pass
             if body is not None and len(body) <= MAX_FRAME:
@@ -99,7 +99,7 @@ class TelemetryClient:
     def _loop(self) -> None:
         if self._handshake is not None:
             try:
-                self._many = self._handshake() >= 3
+                self._protocol = self._handshake()
             except Exception as err:  # refused, or the kernel is gone: events are dropped
                 self.lost = f"{type(err).__name__}: {err}"
                 return

@@ -2,12 +2,16 @@
 
 Each event is a frozen dataclass carrying ``rank``, ``step`` and ``t`` (``time.monotonic()``,
 one clock for every process on the host). On the wire an event is a JSON object with a
-schema version ``v`` and its ``kind``; the kernel never unpickles what a worker sends.
+schema version ``v`` and its ``kind``, or (a rank's batch, for a listener of protocol 4)
+a row of its values in field order; the kernel never unpickles what a worker sends.
+A field is only ever added at the end of its event: a row from a newer rank then has
+values past the fields known here (left out), one from an older rank fewer (defaults).
 """
 
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
@@ -153,10 +157,20 @@ def encode_many(events: list[Event]) -> bytes:
     return _JSON.encode([_body(e) for e in events]).encode()
 
 
+def encode_rows(events: list[Event]) -> bytes:
+    """Several events as one frame of rows, ``{"v": 1, "rows": [[kind, rank, step, t,
+    ...], ...]}`` (protocol 4): what the kernel reads is the same, a third of the bytes,
+    and a tiny step's three events encode in 3.3 µs instead of 11 (measured) while the
+    sender thread holds the GIL the training loop waits for."""
+    return _JSON.encode({"v": SCHEMA_VERSION,
+                         "rows": [(e.kind, *_VALUES[e.kind](e)) for e in events]}).encode()
+
+
 # each kind's field names, and those that hold a mapping of numbers (checked on decode)
 _FIELDS = {kind: tuple(f.name for f in fields(cls)) for kind, cls in EVENT_TYPES.items()}
 _MAPPINGS = {kind: tuple(n for n in ("values", "counts", "bytes", "phases") if n in names)
              for kind, names in _FIELDS.items()}
+_VALUES = {kind: operator.attrgetter(*names) for kind, names in _FIELDS.items()}
 
 
 def decode(data: bytes) -> Event | None:
@@ -168,13 +182,19 @@ def decode(data: bytes) -> Event | None:
 
 
 def decode_many(data: bytes) -> list[Event | None]:
-    """The events of a frame: one event, or ``encode_many``'s array of them (``None`` for
-    each that is not well formed)."""
+    """The events of a frame: one event, ``encode_many``'s array of them or
+    ``encode_rows``' rows (``None`` for each that is not well formed)."""
     try:
         body = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         return [None]
-    return [_event(b) for b in body] if isinstance(body, list) else [_event(body)]
+    if isinstance(body, list):
+        return [_event(b) for b in body]
+    if isinstance(body, dict) and isinstance(body.get("rows"), list):
+        if body.get("v") != SCHEMA_VERSION:
+            return [None] * len(body["rows"])
+        return [_row(r) for r in body["rows"]]
+    return [_event(body)]
 
 
 def _made(cls: type[Event], fields: dict[str, Any]) -> Event:
@@ -186,16 +206,37 @@ def _made(cls: type[Event], fields: dict[str, Any]) -> Event:
     return event
 
 
+def _row(row: Any) -> Event | None:
+    try:
+        kind = row[0]
+        names = _FIELDS[kind]
+        if len(row) > len(names):  # every field (values past them, a newer rank's, left out)
+            event = object.__new__(EVENT_TYPES[kind])
+            event.__dict__.update(zip(names, row[1:]))
+            return _checked(kind, event)
+        return _checked(kind, EVENT_TYPES[kind](**dict(zip(names, row[1:]))))  # an older's
+    except (KeyError, TypeError, IndexError):
+        return None
+
+
 def _event(body: Any) -> Event | None:
     try:
         kind = body.pop("kind")
-        cls = EVENT_TYPES[kind]
         if body.pop("v", None) != SCHEMA_VERSION:
             return None
+        cls = EVENT_TYPES[kind]
         try:
             event = _made(cls, body)
         except TypeError:  # a field this version does not know (a newer rank's): left out
             event = cls(**{name: body[name] for name in _FIELDS[kind] if name in body})
+        return _checked(kind, event)
+    except (KeyError, TypeError, AttributeError):
+        return None
+
+
+def _checked(kind: str, event: Event) -> Event | None:
+    """``event`` if its fields are well formed, else None."""
+    try:
         if type(event.rank) is not int or type(event.step) is not int:
             return None
         for name in _MAPPINGS[kind]:

@@ -207,6 +207,8 @@ class CommCounter:
         return counted
 
     def take(self) -> tuple[dict[str, int], dict[str, int]]:
+        if not self.counts:  # most steps of DDP (its all-reduces are C++'s)
+            return {}, {}
         counts, sizes = dict(self.counts), dict(self.bytes)
         self.counts.clear()
         self.bytes.clear()
