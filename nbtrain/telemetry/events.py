@@ -212,9 +212,9 @@ def _row(row: Any) -> Event | None:
         names = _FIELDS[kind]
         if len(row) > len(names):  # every field (values past them, a newer rank's, left out)
             event = object.__new__(EVENT_TYPES[kind])
-            event.__dict__.update(zip(names, row[1:]))
+            event.__dict__.update(zip(names, row[1:], strict=False))
             return _checked(kind, event)
-        return _checked(kind, EVENT_TYPES[kind](**dict(zip(names, row[1:]))))  # an older's
+        return _checked(kind, EVENT_TYPES[kind](**dict(zip(names, row[1:], strict=False))))  # an older's
     except (KeyError, TypeError, IndexError):
         return None
 
