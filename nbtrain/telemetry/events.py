@@ -214,7 +214,8 @@ def _row(row: Any) -> Event | None:
             event = object.__new__(EVENT_TYPES[kind])
             event.__dict__.update(zip(names, row[1:], strict=False))
             return _checked(kind, event)
-        return _checked(kind, EVENT_TYPES[kind](**dict(zip(names, row[1:], strict=False))))  # an older's
+        # fewer values than fields (an older rank's): the rest take their defaults
+        return _checked(kind, EVENT_TYPES[kind](**dict(zip(names, row[1:], strict=False))))
     except (KeyError, TypeError, IndexError):
         return None
 
