@@ -159,9 +159,9 @@ def encode_many(events: list[Event]) -> bytes:
 
 def encode_rows(events: list[Event]) -> bytes:
     """Several events as one frame of rows, ``{"v": 1, "rows": [[kind, rank, step, t,
-    ...], ...]}`` (protocol 4): what the kernel reads is the same, a third of the bytes,
-    and a tiny step's three events encode in 3.3 µs instead of 11 (measured) while the
-    sender thread holds the GIL the training loop waits for."""
+    ...], ...]}`` (protocol 4): what the kernel reads is the same, in a third of the
+    bytes, without each event's keys to encode (the sender holds the GIL the loop waits
+    for meanwhile); a full-precision float's repr, ~0.5 µs, is the same either way."""
     return _JSON.encode({"v": SCHEMA_VERSION,
                          "rows": [(e.kind, *_VALUES[e.kind](e)) for e in events]}).encode()
 
@@ -236,17 +236,14 @@ def _event(body: Any) -> Event | None:
 
 
 def _checked(kind: str, event: Event) -> Event | None:
-    """``event`` if its fields are well formed, else None."""
-    try:
-        if type(event.rank) is not int or type(event.step) is not int:
-            return None
-        for name in _MAPPINGS[kind]:
-            mapping = getattr(event, name)
-            if not (isinstance(mapping, dict) and _NUMBERS.issuperset(map(type, mapping.values()))):
-                return None
-        return event
-    except (KeyError, TypeError, AttributeError):
+    """``event`` (made with every field of ``kind``) if they are well formed, else None."""
+    if type(event.rank) is not int or type(event.step) is not int:
         return None
+    for name in _MAPPINGS[kind]:
+        mapping = getattr(event, name)
+        if not (isinstance(mapping, dict) and _NUMBERS.issuperset(map(type, mapping.values()))):
+            return None
+    return event
 
 
 _NUMBERS = frozenset((int, float))
