@@ -170,7 +170,8 @@ def run_cell(page, index: int) -> None:
 def watch_cell(page, index: int, marks: dict[str, str]) -> None:
     """Run cell ``index`` and note in ``window.__nbtrainSeen[name]`` the milliseconds
     from asking to run it until the JavaScript condition ``marks[name]`` (on ``out``,
-    the cell's output node) first holds."""
+    the cell's output node) first holds, and in ``window.__nbtrainCheck[name]`` which
+    look at the page (the n-th) first saw it: the order, without a clock."""
     conditions = ",".join(f"{json.dumps(k)}: (out) => ({v})" for k, v in marks.items())
     page.evaluate(f"""async (i) => {{
         const app = {APP};
@@ -180,12 +181,16 @@ def watch_cell(page, index: int, marks: dict[str, str]) -> None:
         cell.model.outputs.clear();  // what a previous run left must not count
         const marks = {{{conditions}}};
         window.__nbtrainSeen = {{}};
+        window.__nbtrainCheck = {{}};
         const t0 = performance.now();
+        let looks = 0;
         const check = () => {{
             const out = cell.node.querySelector('.jp-OutputArea');
+            looks += 1;
             for (const [name, test] of Object.entries(marks)) {{
                 if (!(name in window.__nbtrainSeen) && out && test(out)) {{
                     window.__nbtrainSeen[name] = performance.now() - t0;
+                    window.__nbtrainCheck[name] = looks;
                 }}
             }}
         }};
