@@ -50,11 +50,12 @@ def test_sharding_halves_the_bytes_per_rank(runs, strategy):
 
 def _comm_per_step(run, rank) -> dict[str, tuple[int, int]]:
     events = [e for e in run.history.events("comm", rank) if isinstance(e, Comm)]
-    steps = len(run.history.events("step", rank))
-    assert len(events) == steps == 8
+    steps = sorted(e.step for e in run.history.events("step", rank))
+    # identical steps travel as one event (a run of them): each step is in exactly one
+    assert len(steps) == 8 and sorted(s for e in events for s in range(e.step, e.last + 1)) == steps
     ops = {op for e in events for op in e.counts}
-    return {op: (sum(e.counts.get(op, 0) for e in events) // steps,
-                 sum(e.bytes.get(op, 0) for e in events) // steps) for op in ops}
+    return {op: (sum(e.counts.get(op, 0) * e.steps for e in events) // len(steps),
+                 sum(e.bytes.get(op, 0) * e.steps for e in events) // len(steps)) for op in ops}
 
 
 def test_ddp_communicates_by_all_reduce_only(runs):
@@ -163,6 +164,7 @@ def test_accumulation_micro_steps_do_not_all_reduce():
     run = nbtrain.launch(accumulate_steps, devices=2, dashboard=False)
     comm = {e.step: e for e in run.history.events("comm", 0) if isinstance(e, Comm)}
     assert sorted(comm) == [1, 3, 5, 7]  # the last micro-step of each pair
+    assert all(e.steps == 1 for e in comm.values())  # not consecutive: no run of them
     assert all(e.bytes["all_reduce"] == 4 * param_count() for e in comm.values())
 
 
@@ -231,6 +233,60 @@ def test_the_summary_shows_the_bytes_a_step_really_moves():
     one.append(Comm(rank=0, step=0, t=0.0, counts={"all_reduce": 1}, bytes={"all_reduce": mb}))
     assert "1.00 MB in 1 call" in str(summarize(one, 1)) and " 1 calls" not in str(summarize(one, 1))
 
+    # a run of three identical steps is each of them: the same per step as three events
+    run = History()
+    run.append(Step(rank=0, step=0, t=0.0, duration=0.1, samples=8))
+    for step in (1, 2, 3):
+        run.append(Step(rank=0, step=step, t=float(step), duration=0.1, samples=8))
+    run.append(Comm(rank=0, step=0, t=0.0, counts={"all_reduce": 3}, bytes={"all_reduce": mb}))
+    run.append(Comm(rank=0, step=1, t=3.0, counts={"all_reduce": 1}, bytes={"all_reduce": mb},
+                    steps=3))
+    assert summarize(run, 1).ranks[0].comm_per_step == {"all_reduce": {"calls": 1.5,
+                                                                       "bytes": mb}}
+
+
+def test_identical_steps_travel_as_one_comm_event():
+    """A tiny step's third event was most of what telemetry cost it on the wire: a rank
+    sends one ``Comm`` for a run of consecutive steps with the same collectives, which
+    ends at a different step, a gap, ``COMM_EVERY_S``, a checkpoint or the end."""
+    import torch
+
+    from nbtrain.telemetry.recorder import COMM_EVERY_S, Recorder
+
+    sent: list = []
+
+    class Wire:  # what the recorder hands to the sender thread
+        send = sent.append
+
+        def flush(self, timeout=5.0):
+            return True
+
+    recorder = Recorder(0, torch.device("cpu"), Wire(), nbtrain.Telemetry(timing=False))
+
+    def step(n, t, calls=1, size=64):
+        recorder._count(n, t, {"all_reduce": calls}, {"all_reduce": size})
+
+    try:
+        step(0, 0.0, calls=3)  # DDP's first step: its buckets rebuilt
+        for n in range(1, 5):
+            step(n, 0.01 * n)
+        recorder._count(5, 0.05, {}, {})  # an accumulating micro-step: no collective
+        step(6, 0.06)
+        step(7, 0.07, size=32)  # other bytes
+        step(8, 0.08, size=32)
+        step(9, 0.07 + COMM_EVERY_S, size=32)  # the run is old enough: it goes with this step
+        step(10, 0.08 + COMM_EVERY_S, size=32)
+        step(11, 0.09 + COMM_EVERY_S, size=32)
+        recorder.checkpoint(11, "ckpt", report=False)  # out before the save is reported
+        step(12, 0.10 + COMM_EVERY_S, size=32)
+    finally:
+        recorder.close()
+    runs = [(e.step, e.steps, e.counts["all_reduce"], e.bytes["all_reduce"], round(e.t, 6))
+            for e in sent if isinstance(e, Comm)]
+    late = round(0.07 + COMM_EVERY_S, 6)
+    assert runs == [(0, 1, 3, 64, 0.0), (1, 4, 1, 64, 0.04), (6, 1, 1, 64, 0.06),
+                    (7, 3, 1, 32, late), (10, 2, 1, 32, round(late + 0.02, 6)),
+                    (12, 1, 1, 32, round(late + 0.03, 6))]
 
 def trains_then_fails(ctx):
     import torch

@@ -73,11 +73,21 @@ class Memory(Event):
 
 @dataclass(frozen=True)
 class Comm(Event):
-    """Collectives issued during one step, by op type: calls and logical bytes."""
+    """Collectives issued during each step of a run of ``steps`` consecutive steps from
+    ``step`` (each the same), by op type: calls and logical bytes. A rank sends one for
+    each run of identical steps (most of training: the same buckets, the same gathers),
+    when the run ends and at least every ``recorder.COMM_EVERY_S``; ``t``: its last step's
+    end."""
 
     kind: ClassVar[str] = "comm"
     counts: dict[str, int] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
+    steps: int = 1
+
+    @property
+    def last(self) -> int:
+        """The run's last step."""
+        return self.step + self.steps - 1
 
 
 @dataclass(frozen=True)
@@ -243,6 +253,8 @@ def _checked(kind: str, event: Event) -> Event | None:
         mapping = getattr(event, name)
         if not (isinstance(mapping, dict) and _NUMBERS.issuperset(map(type, mapping.values()))):
             return None
+    if kind == "comm" and not (type(event.steps) is int and event.steps >= 1):
+        return None
     return event
 
 

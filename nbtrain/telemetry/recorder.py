@@ -2,7 +2,7 @@
 anything. Step boundaries come from ``ctx.dataloader`` batches (or, without it, from
 optimizer steps); memory is sampled after optimizer steps; collectives are tallied per
 step (DDP's bucket all-reduces from DDP's own bookkeeping: the strategy's
-``collective_probe``). With ``profile_memory``, the forward before a sampled optimizer step is watched
+``collective_probe``), a run of identical steps sent as one ``Comm``. With ``profile_memory``, the forward before a sampled optimizer step is watched
 for the activations it saves."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .timing import SAMPLE_S, StepClock, outside_graphs
 
 METRIC_BATCH = 16  # ctx.log calls whose accelerator tensors are read back together
 EVALUATION_EVERY_S = 1.0  # an evaluation's progress goes out at most this often
+COMM_EVERY_S = 0.5  # a run of steps with the same collectives goes out at least this often
 
 
 class Recorder:
@@ -69,6 +70,7 @@ class Recorder:
         self._activations = ActivationProbe() if settings.profile_memory else None
         self._activation_bytes: int | None = None
         self._pending: list[tuple[int, float, dict[str, Any]]] = []  # metrics not sent yet
+        self._collectives: _Collectives | None = None  # steps' identical collectives, unsent
 
     def watch(self, model: nn.Module, optimizers, strategy=None) -> None:
         self._watched_at = time.monotonic()  # without ctx.dataloader, step 0 starts here
@@ -160,6 +162,7 @@ class Recorder:
         if self._batches_seen:
             self._close_step(time.monotonic())
             self._last = None  # what follows until the next batch is not a step
+        self._send_collectives()
         if report:
             report_checkpoint(self.client, step, path, resumes)
         self.client.flush()
@@ -256,9 +259,29 @@ class Recorder:
             if buckets:
                 counts["all_reduce"] = counts.get("all_reduce", 0) + len(buckets)
                 sizes["all_reduce"] = sizes.get("all_reduce", 0) + sum(buckets)
-            if counts:
-                self.client.send(Comm.of(rank=self.rank, step=self._step, t=now,
-                                         counts=counts, bytes=sizes))
+            self._count(self._step, now, counts, sizes)
+
+    def _count(self, step: int, now: float, counts: dict, sizes: dict) -> None:
+        """One step's collectives. A step like the run before it (the next step, the same
+        calls and bytes) joins it: a tiny step's third event is most of what telemetry
+        costs it on the wire. Any other step sends the run, and a run goes out when it
+        is ``COMM_EVERY_S`` old (the chart moves), at a checkpoint, and at the end."""
+        run = self._collectives
+        if (run is not None and step == run.step + run.steps and counts == run.counts
+                and sizes == run.bytes):
+            run.steps, run.t = run.steps + 1, now
+            if now - run.since >= COMM_EVERY_S:
+                self._send_collectives()
+            return
+        self._send_collectives()
+        if counts:
+            self._collectives = _Collectives(step, now, counts, sizes)
+
+    def _send_collectives(self) -> None:
+        run, self._collectives = self._collectives, None
+        if run is not None:
+            self.client.send(Comm.of(rank=self.rank, step=run.step, t=run.t,
+                                     counts=run.counts, bytes=run.bytes, steps=run.steps))
 
     def _forget(self) -> None:
         """What ran between two steps (an evaluation's forwards and collectives) is in
@@ -349,12 +372,23 @@ class Recorder:
         elif self._last is not None and self._opt_end > self._last:
             end = self._opt_end
         self._close_step(end)
+        self._send_collectives()
         if self.comm:
             self.comm.uninstall()
         if self.clock is not None:
             for step in self.clock.flush():  # a CUDA rank's last steps, their events read
                 self.client.send(step)
             self.clock.uninstall()
+
+
+class _Collectives:
+    """Consecutive steps from ``step`` with the same collectives, not sent yet."""
+
+    __slots__ = ("step", "steps", "t", "since", "counts", "bytes")
+
+    def __init__(self, step: int, now: float, counts: dict, sizes: dict):
+        self.step, self.steps, self.t, self.since = step, 1, now, now
+        self.counts, self.bytes = counts, sizes
 
 
 def report_checkpoint(client, step: int, path: str, resumes: bool) -> None:

@@ -337,9 +337,9 @@ def _ranks(history: History, world_size: int) -> list[RankSummary]:
         sizes: dict[str, int] = defaultdict(int)
         for e in history.events("comm", rank):
             if isinstance(e, Comm):
-                for op, n in e.counts.items():
-                    calls[op] += n
-                    sizes[op] += e.bytes.get(op, 0)
+                for op, n in e.counts.items():  # each of the run's steps
+                    calls[op] += n * e.steps
+                    sizes[op] += e.bytes.get(op, 0) * e.steps
         per = max(s.steps, 1)
         s.comm_per_step = {op: {"calls": calls[op] / per, "bytes": sizes[op] / per}
                            for op in calls}

@@ -116,9 +116,11 @@ class LiveState:
                 self.comm_rank = rank
             if rank != self.comm_rank:
                 return  # collectives are symmetric: one rank's view is enough to draw
-            for op in set(self.comm) | set(e.bytes):
-                self.comm.setdefault(op, Series(self.max_points)).append(
-                    e.step, e.bytes.get(op, 0))
+            for op in set(self.comm) | set(e.bytes):  # a run of steps: flat from first to last
+                series, size = self.comm.setdefault(op, Series(self.max_points)), e.bytes.get(op, 0)
+                series.append(e.step, size)
+                if e.steps > 1:
+                    series.append(e.last, size)
         elif isinstance(e, Lifecycle):
             self.evaluating.pop(rank, None)
             self.status[rank] = _LIFECYCLE.get(e.state, e.state)
