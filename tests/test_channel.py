@@ -244,11 +244,12 @@ def test_a_client_refuses_a_listener_that_cannot_prove_the_token():
         fake.close()
 
 
-@pytest.mark.parametrize("protocol", [2, 3])
+@pytest.mark.parametrize("protocol", [2, 3, 4])
 def test_a_listener_of_an_older_nbtrain_gets_events_it_reads(protocol):
     """A rank sends rows only to a listener that reads them (protocol 4), an array of
     events to one of protocol 3, and one event a frame to an older one: an older
-    nbtrain's listener on another host still gets each event."""
+    nbtrain's listener on another host still gets each event. The client says the
+    listener's protocol (below 5 its recorder sends a ``Comm`` every step)."""
     fake = socket.create_server(("127.0.0.1", 0))
     frames = []
 
@@ -273,10 +274,12 @@ def test_a_listener_of_an_older_nbtrain_gets_events_it_reads(protocol):
     finally:
         thread.join(5)
         fake.close()
+    assert client.protocol == protocol
     if protocol == 2:
         assert [decode(f).step for f in frames] == [0, 1, 2]
     else:
-        assert len(frames) == 1 and isinstance(json.loads(frames[0]), list)
+        assert len(frames) == 1
+        assert isinstance(json.loads(frames[0]), list if protocol == 3 else dict)
         assert [e.step for e in decode_many(frames[0])] == [0, 1, 2]
 
 

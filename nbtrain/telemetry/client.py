@@ -62,6 +62,11 @@ class TelemetryClient:
             self._buf.append(event)
             self._queued += 1
 
+    @property
+    def protocol(self) -> int:
+        """The listener's protocol (this version's until its opening says otherwise)."""
+        return self._protocol
+
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until what is queued now is on the wire (what must not die with the rank:
         a checkpoint's report); False if it is not within ``timeout``."""
