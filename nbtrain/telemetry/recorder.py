@@ -2,8 +2,9 @@
 anything. Step boundaries come from ``ctx.dataloader`` batches (or, without it, from
 optimizer steps); memory is sampled after optimizer steps; collectives are tallied per
 step (DDP's bucket all-reduces from DDP's own bookkeeping: the strategy's
-``collective_probe``), a run of identical steps sent as one ``Comm``. With ``profile_memory``, the forward before a sampled optimizer step is watched
-for the activations it saves."""
+``collective_probe``), a run of identical steps sent as one ``Comm``. With
+``profile_memory``, the forward before a sampled optimizer step is watched for the
+activations it saves."""
 
 from __future__ import annotations
 
