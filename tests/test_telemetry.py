@@ -156,6 +156,9 @@ def test_history_exports(runs, tmp_path):
     history.to_json(tmp_path / "h.json")
     kinds = {r["kind"] for r in json.loads((tmp_path / "h.json").read_text())}
     assert {"metric", "step", "memory", "comm", "lifecycle"} <= kinds
+    comm = history.records("comm")  # calls and bytes both kept (bytes overwrote calls)
+    moved = sum(r["all_gather_bytes"] * r["steps"] for r in comm if r["rank"] == 0)
+    assert moved == 8 * 2 * 4 * param_count() and all(r["all_gather_calls"] for r in comm)
 
 
 def test_accumulation_micro_steps_do_not_all_reduce():

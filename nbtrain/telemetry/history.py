@@ -1,7 +1,9 @@
 """``run.history``: every event the kernel received, kept per rank in arrival order.
 
 Rows are tidy: one row per event, with ``kind``, ``rank``, ``step``, ``t`` (seconds since
-the run started) and the event's values as columns.
+the run started) and the event's values as columns. A ``comm`` row stands for ``steps``
+consecutive steps from ``step`` with the same collectives, each step's calls and bytes
+per op (``all_reduce_calls``, ``all_reduce_bytes``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import asdict
 from typing import Any
 
 from .events import Event, Metric
+
+_SUFFIXES = {"counts": "_calls", "bytes": "_bytes"}  # columns of a mapping whose keys repeat
 
 
 class History:
@@ -55,8 +59,9 @@ class History:
             for key, value in asdict(e).items():
                 if key in ("rank", "step", "t"):
                     continue
-                if isinstance(value, dict):
-                    row.update(value)
+                if isinstance(value, dict):  # a Comm's ops are in counts and in bytes
+                    suffix = _SUFFIXES.get(key, "")
+                    row.update((f"{name}{suffix}", v) for name, v in value.items())
                 else:
                     row[key] = value
             rows.append(row)
