@@ -244,12 +244,13 @@ def test_a_client_refuses_a_listener_that_cannot_prove_the_token():
         fake.close()
 
 
-@pytest.mark.parametrize("protocol", [2, 3, 4])
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
 def test_a_listener_of_an_older_nbtrain_gets_events_it_reads(protocol):
     """A rank sends rows only to a listener that reads them (protocol 4), an array of
     events to one of protocol 3, and one event a frame to an older one: an older
-    nbtrain's listener on another host still gets each event. The client says the
-    listener's protocol (below 5 its recorder sends a ``Comm`` every step)."""
+    nbtrain's listener on another host still gets each event. A run of steps' ``Comm``
+    goes as one only to a listener that counts its steps (5); an older one gets one a
+    step."""
     fake = socket.create_server(("127.0.0.1", 0))
     frames = []
 
@@ -270,17 +271,22 @@ def test_a_listener_of_an_older_nbtrain_gets_events_it_reads(protocol):
         client = TelemetryClient(fake.getsockname(), "the-token", 0, flush_interval=60.0)
         for step in range(3):
             client.send(Metric(rank=0, step=step, t=0.0, values={"x": 1.0}))
+        client.send(Comm(rank=0, step=3, t=0.0, counts={"all_reduce": 1},
+                         bytes={"all_reduce": 64}, steps=3))
         client.close()
     finally:
         thread.join(5)
         fake.close()
-    assert client.protocol == protocol
     if protocol == 2:
-        assert [decode(f).step for f in frames] == [0, 1, 2]
+        events = [decode(f) for f in frames]
     else:
         assert len(frames) == 1
         assert isinstance(json.loads(frames[0]), list if protocol == 3 else dict)
-        assert [e.step for e in decode_many(frames[0])] == [0, 1, 2]
+        events = decode_many(frames[0])
+    assert [e.step for e in events if isinstance(e, Metric)] == [0, 1, 2]
+    comm = [(e.step, e.steps, e.bytes) for e in events if isinstance(e, Comm)]
+    each = [(step, 1, {"all_reduce": 64}) for step in (3, 4, 5)]
+    assert comm == (each if protocol < 5 else [(3, 3, {"all_reduce": 64})])
 
 
 def test_garbage_and_oversized_frames_are_dropped_not_fatal():

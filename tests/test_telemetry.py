@@ -254,20 +254,17 @@ def test_identical_steps_travel_as_one_comm_event():
     ends at a different step, a gap, ``COMM_EVERY_S``, a checkpoint or the end."""
     import torch
 
-    from nbtrain.telemetry.channel import RUNS_OF_STEPS
     from nbtrain.telemetry.recorder import COMM_EVERY_S, Recorder
 
     sent: list = []
 
     class Wire:  # what the recorder hands to the sender thread
         send = sent.append
-        protocol = RUNS_OF_STEPS
 
         def flush(self, timeout=5.0):
             return True
 
-    wire = Wire()
-    recorder = Recorder(0, torch.device("cpu"), wire, nbtrain.Telemetry(timing=False))
+    recorder = Recorder(0, torch.device("cpu"), Wire(), nbtrain.Telemetry(timing=False))
 
     def step(n, t, calls=1, size=64):
         recorder._count(n, t, {"all_reduce": calls}, {"all_reduce": size})
@@ -293,17 +290,6 @@ def test_identical_steps_travel_as_one_comm_event():
     assert runs == [(0, 1, 3, 64, 0.0), (1, 4, 1, 64, 0.04), (6, 1, 1, 64, 0.06),
                     (7, 3, 1, 32, late), (10, 2, 1, 32, round(late + 0.02, 6)),
                     (12, 1, 1, 32, round(late + 0.03, 6))]
-
-    # a listener of an older nbtrain counts a Comm as one step: it gets one a step
-    sent.clear()
-    wire.protocol = RUNS_OF_STEPS - 1
-    recorder = Recorder(0, torch.device("cpu"), wire, nbtrain.Telemetry(timing=False))
-    try:
-        for n in range(3):
-            step(n, 0.01 * n)
-    finally:
-        recorder.close()
-    assert [(e.step, e.steps) for e in sent if isinstance(e, Comm)] == [(0, 1), (1, 1), (2, 1)]
 
 def trains_then_fails(ctx):
     import torch

@@ -35,7 +35,7 @@ from ..outcome import Reported
 from ..rank.worker import execute
 from ..run import Run
 from ..spec import WORKER_ENV, WorkerSpec
-from ..telemetry.channel import PROTOCOL, parse_address
+from ..telemetry.channel import parse_address
 from ..telemetry.client import TelemetryClient
 from ..telemetry.events import Event, decode, encode
 from ..wire import FAILURE, decode_failure, label
@@ -90,11 +90,6 @@ class _Tee:
         self._keep(event)
         if self.remote is not None:
             self.remote.send(event)
-
-    @property
-    def protocol(self) -> int:
-        """What the events may assume of their reader: the listener's, when attached."""
-        return self.remote.protocol if self.remote is not None else PROTOCOL
 
     def flush(self, timeout: float = 5.0) -> bool:
         """What is queued for the listener is on the wire (kept events are at once)."""

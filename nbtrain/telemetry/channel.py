@@ -42,7 +42,7 @@ _HEADER = struct.Struct(">I")
 PROTOCOL = 5  # 5: a Comm may stand for a run of identical steps (its ``steps``); 4: a
 #              frame may hold rows of events; 3: an array of events; 2: challenge and
 #              HMAC (1 sent the token in the hello)
-RUNS_OF_STEPS = 5  # the protocol from which a rank sends a run of steps' Comm as one
+RUNS_OF_STEPS = 5  # from this protocol on a listener reads a run of steps' Comm as one
 
 
 def mac(token: str, purpose: bytes, *parts: bytes) -> str:

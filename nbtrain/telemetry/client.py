@@ -6,11 +6,12 @@ training loop is in torch's C++ code without the GIL: up to ``BATCH`` events a f
 from __future__ import annotations
 
 import collections
+import dataclasses
 import socket
 import threading
 
-from .channel import MAX_FRAME, PROTOCOL, frame, handshake
-from .events import Event, encode, encode_many, encode_rows
+from .channel import MAX_FRAME, PROTOCOL, RUNS_OF_STEPS, frame, handshake
+from .events import Comm, Event, encode, encode_many, encode_rows
 
 BATCH = 256  # events a frame holds at most (a row is 40-250 bytes; a frame, MAX_FRAME)
 
@@ -62,11 +63,6 @@ class TelemetryClient:
             self._buf.append(event)
             self._queued += 1
 
-    @property
-    def protocol(self) -> int:
-        """The listener's protocol (this version's until its opening says otherwise)."""
-        return self._protocol
-
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until what is queued now is on the wire (what must not die with the rank:
         a checkpoint's report); False if it is not within ``timeout``."""
@@ -82,6 +78,8 @@ class TelemetryClient:
             events = list(self._buf)
             self._buf.clear()
             upto = self._queued
+        if self._protocol < RUNS_OF_STEPS:
+            events = list(each_step(events))
         frames = []
         for i in range(0, len(events), BATCH):
             chunk = events[i:i + BATCH]
@@ -137,3 +135,14 @@ class TelemetryClient:
         except OSError:
             pass
         self._sock.close()
+
+
+def each_step(events):
+    """``events`` for a listener older than ``RUNS_OF_STEPS``, which counts a ``Comm`` as
+    one step: a run of steps as one ``Comm`` a step."""
+    for e in events:
+        if type(e) is Comm and e.steps > 1:
+            yield from (dataclasses.replace(e, step=step, steps=1)
+                        for step in range(e.step, e.last + 1))
+        else:
+            yield e

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .channel import RUNS_OF_STEPS
 from .client import TelemetryClient
 from .device_timing import DeviceStepClock
 from .events import Checkpoint, Comm, Evaluation, Memory, Metric, Step
@@ -267,11 +266,11 @@ class Recorder:
         """One step's collectives. A step like the run before it (the next step, the same
         calls and bytes) joins it: a tiny step's third event is most of what telemetry
         costs it on the wire. Any other step sends the run, and a run goes out when it
-        is ``COMM_EVERY_S`` old (the chart moves), at a checkpoint, and at the end. An
-        older listener (protocol < ``RUNS_OF_STEPS``) gets one a step, as it counts them."""
+        is ``COMM_EVERY_S`` old (the chart moves), at a checkpoint, and at the end (the
+        client hands an older listener one a step)."""
         run = self._collectives
         if (run is not None and step == run.step + run.steps and counts == run.counts
-                and sizes == run.bytes and self.client.protocol >= RUNS_OF_STEPS):
+                and sizes == run.bytes):
             run.steps, run.t = run.steps + 1, now
             if now - run.since >= COMM_EVERY_S:
                 self._send_collectives()
