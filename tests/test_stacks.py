@@ -71,6 +71,12 @@ def test_where_a_rank_was_prefers_the_users_code_then_a_librarys():
     starting = [(TORCH.replace("distributed/distributed_c10d", "cuda/__init__"), 467,
                  "_lazy_call"), (seeding, 40, "seed_all"), (RANK, 226, "execute")]
     assert Dump.parse(dump(starting, fatal=False)).where() is None
+    # an import nbtrain's start made, through an import hook a library put in sys.meta_path
+    # (pytest's): not that library's line either
+    hook = TORCH.replace("torch/distributed/distributed_c10d", "_pytest/pathlib")
+    importing = [(hook, 509, "fnmatch_ex"), ("<frozen importlib._bootstrap>", 1360,
+                                             "_find_and_load"), (RANK, 226, "execute")]
+    assert Dump.parse(dump(importing, fatal=False)).where() is None
     # a %%ranks cell is the user's code (its file name is not a path)
     in_cell = [(TORCH, 3252, "all_reduce"), ("<%%ranks In[4]>", 3, "<module>"),
                (RANK.replace("worker", "pool_worker"), 152, "run_cell")]

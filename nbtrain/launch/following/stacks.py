@@ -79,8 +79,8 @@ class Dump:
         its function was not running: only nbtrain's own code and the standard library's
         were, or what nbtrain's code called (its start: a seed, a ``Context``; its end)."""
         frames = self.function_frames()
-        if frames and _ours(frames[0].filename):
-            return None
+        if frames and (_ours(frames[0].filename) or _standard(frames[0].filename)):
+            return None  # nbtrain's code called it (an import the rank's start made)
         for accept in (_users, _not_ours):
             for f in reversed(frames):
                 if accept(f.filename):
@@ -118,6 +118,18 @@ _INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")  # dist-: Debian's (C
 
 def _ours(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
+
+
+_STDLIB_DIRS = tuple({os.path.abspath(p) + os.sep for key in ("stdlib", "platstdlib")
+                      if (p := sysconfig.get_paths().get(key))})
+
+
+def _standard(filename: str) -> bool:
+    """The standard library's file (``<frozen importlib._bootstrap>`` too)."""
+    if filename.startswith("<frozen "):
+        return True
+    path = os.path.abspath(filename)
+    return path.startswith(_STDLIB_DIRS) and not _INSTALLED.search(path)
 
 
 def _not_ours(filename: str) -> bool:
