@@ -179,3 +179,40 @@ def test_an_option_an_entry_point_decides_itself_fails_with_its_reason(tmp_path)
         nbtrain.scaling(lambda ctx: None, devices=2, accelerator="cpu", timeout=-1)
     with pytest.raises(TypeError, match="background='yes'"):
         nbtrain.launch(lambda ctx: None, accelerator="cpu", background="yes")
+
+
+class _CountingStream:
+    """A kernel's ``sys.stdout`` as far as a fork sees it: flushes are counted."""
+
+    def __init__(self):
+        self.flushes = 0
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def test_a_forked_rank_starts_without_flushing_the_kernels_streams(monkeypatch):
+    """multiprocessing flushes sys.stdout and sys.stderr before each fork: in a kernel,
+    a round trip to ipykernel's IOPub thread each, for text no rank writes (a rank takes
+    fds 1 and 2 as it starts and ends with os._exit). The fork launcher's processes are
+    the stdlib's otherwise: the same state once started, and reaped the same way."""
+    import multiprocessing
+
+    from nbtrain.launch.starting.fork import ForkLauncher
+
+    out, err = _CountingStream(), _CountingStream()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    ours = ForkLauncher()._context.Process(target=os._exit, args=(3,))
+    ours.start()
+    assert (out.flushes, err.flushes) == (0, 0)
+    theirs = multiprocessing.get_context("fork").Process(target=os._exit, args=(3,))
+    theirs.start()
+    assert (out.flushes, err.flushes) == (1, 1)  # what the stdlib does, so what we skip
+    ours.join(30)
+    theirs.join(30)
+    assert ours.exitcode == theirs.exitcode == 3
+    assert sorted(vars(ours._popen)) == sorted(vars(theirs._popen))
