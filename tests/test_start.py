@@ -194,25 +194,56 @@ class _CountingStream:
         self.flushes += 1
 
 
-def test_a_forked_rank_starts_without_flushing_the_kernels_streams(monkeypatch):
-    """multiprocessing flushes sys.stdout and sys.stderr before each fork: in a kernel,
+# a spawned child's code: whether it imported the kernel's side of nbtrain
+_CHILD = ("import os, sys; "
+          "os._exit(7 if 'nbtrain.launch.starting.launcher' in sys.modules else 3)")
+
+
+@pytest.mark.parametrize("method, package", [("fork", "multiprocessing"),
+                                             ("spawn", "multiprocess")])
+def test_a_rank_starts_without_flushing_the_kernels_streams(monkeypatch, method, package):
+    """multiprocessing flushes sys.stdout and sys.stderr before each start: in a kernel,
     a round trip to ipykernel's IOPub thread each, for text no rank writes (a rank takes
-    fds 1 and 2 as it starts and ends with os._exit). The fork launcher's processes are
-    the stdlib's otherwise: the same state once started, and reaped the same way."""
-    import multiprocessing
+    fds 1 and 2 as it starts and ends with os._exit). The launchers' processes are the
+    package's otherwise: the same state once started, the same exit, and a spawned child
+    unpickles the package's own process class, not one from the kernel's side."""
+    import importlib
 
-    from nbtrain.launch.starting.fork import ForkLauncher
+    from nbtrain.launch.starting import launchers
 
+    launcher = launchers.make(method)
+    if method == "spawn":
+        launcher._count()  # the resource tracker it starts is stopped at its close
     out, err = _CountingStream(), _CountingStream()
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setattr(sys, "stderr", err)
-    ours = ForkLauncher()._context.Process(target=os._exit, args=(3,))
-    ours.start()
-    assert (out.flushes, err.flushes) == (0, 0)
-    theirs = multiprocessing.get_context("fork").Process(target=os._exit, args=(3,))
-    theirs.start()
-    assert (out.flushes, err.flushes) == (1, 1)  # what the stdlib does, so what we skip
-    ours.join(30)
-    theirs.join(30)
-    assert ours.exitcode == theirs.exitcode == 3
+    ours = launcher._context.Process(target=exec, args=(_CHILD,))
+    theirs = importlib.import_module(package).get_context(method).Process(
+        target=exec, args=(_CHILD,))
+    try:
+        ours.start()
+        assert (out.flushes, err.flushes) == (0, 0)
+        theirs.start()
+        assert (out.flushes, err.flushes) == (1, 1)  # what the package does: what we skip
+    finally:
+        for process in (ours, theirs):
+            if process.pid is not None:
+                process.join(60)
+        launcher.close()
+    # a fork is a copy of this process; a spawned child imported nothing of the kernel's
+    assert ours.exitcode == theirs.exitcode == (7 if method == "fork" else 3)
     assert sorted(vars(ours._popen)) == sorted(vars(theirs._popen))
+
+
+def test_a_fork_server_child_unpickles_the_packages_own_process_class():
+    from multiprocess import context, reduction
+
+    from nbtrain.launch.starting.launcher import unflushed
+
+    process = unflushed("multiprocess", "forkserver").Process(target=exec, args=("",))
+    context.set_spawning_popen(process)  # what the process's start pickles it inside
+    try:
+        again = reduction.ForkingPickler.loads(reduction.ForkingPickler.dumps(process))
+    finally:
+        context.set_spawning_popen(None)
+    assert type(again) is context.ForkServerProcess and again._args == ("",)

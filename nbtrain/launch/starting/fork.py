@@ -6,44 +6,19 @@ there. Unsafe once CUDA is initialised in the kernel; ``guards`` decides.
 
 from __future__ import annotations
 
-import multiprocessing.context
-import multiprocessing.popen_fork
 from typing import Any
 
 from ...spec import WorkerSpec
 from .guards import fork_threads
-from .launcher import WorkerHandle, start_with_context
+from .launcher import WorkerHandle, start_with_context, unflushed
 from .warm import warm_kernel
-
-
-class _Popen(multiprocessing.popen_fork.Popen):
-    """multiprocessing's fork without its flush of ``sys.stdout`` and ``sys.stderr`` first
-    (kept out of a copied buffer): in a kernel each is a round trip to ipykernel's IOPub
-    thread, up to 4 ms a rank in a warm launch of 90, and a rank never writes what the
-    kernel's streams hold: it takes fds 1 and 2 and new streams as it starts, and ends
-    with ``os._exit``. What the kernel printed goes out on its own thread's schedule."""
-
-    def __init__(self, process_obj):  # the stdlib's (3.7-3.13), less the flush
-        self.returncode = None
-        self.finalizer = None
-        self._launch(process_obj)
-
-
-class _Process(multiprocessing.context.ForkProcess):
-    @staticmethod
-    def _Popen(process_obj):
-        return _Popen(process_obj)
-
-
-class _Context(multiprocessing.context.ForkContext):
-    Process = _Process
 
 
 class ForkLauncher:
     name = "fork"
 
     def __init__(self):
-        self._context = _Context()
+        self._context = unflushed("multiprocessing", "fork")
 
     def threads(self, wanted: int | None) -> int | None:
         """One thread per worker when the kernel's OpenMP pool would hang a fork."""

@@ -24,7 +24,7 @@ from typing import Any
 
 from ...cells import current_kernel
 from ...spec import WorkerSpec
-from .launcher import WorkerHandle, start_with_context
+from .launcher import WorkerHandle, start_with_context, unflushed
 from .spawn import SpawnLauncher, with_exit_hint
 from .warm import COMMON
 
@@ -100,9 +100,7 @@ class ForkServerLauncher(SpawnLauncher):
 
     def __init__(self):
         super().__init__()
-        import multiprocess
-
-        self._context = multiprocess.get_context("forkserver")
+        self._context = unflushed("multiprocess", "forkserver")
         self._warm: tuple[str, ...] = ()  # the strategy's own imports, preloaded too
 
     def prepare(self, fn, args: tuple, kwargs: dict, strategy) -> bytes:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import os
 import signal
 import threading
@@ -51,6 +53,45 @@ class Launcher(Protocol):
 
     def close(self) -> None:
         """Release what the launcher holds, once the run's workers are gone."""
+
+
+_POPEN_MODULES = {"fork": "popen_fork", "forkserver": "popen_forkserver",
+                  "spawn": "popen_spawn_posix"}
+
+
+@functools.cache
+def unflushed(package: str, method: str):
+    """A context of ``package`` (``multiprocessing``, or ``multiprocess`` for the fork
+    server and spawn) for ``method`` whose processes start without its ``Popen``'s flush
+    of ``sys.stdout`` and ``sys.stderr`` first (which keeps a buffered line from being
+    written twice by a fork). In a kernel each flush is a round trip to ipykernel's IOPub
+    thread, queued behind what it has to send: 0.2-3.9 ms, two a rank. No rank writes
+    what the kernel's streams hold: it takes fds 1 and 2 and new streams as it starts
+    and ends with ``os._exit``; the run's header display flushed what the cell printed."""
+    base_context = type(importlib.import_module(package).get_context(method))
+    base_process = base_context.Process
+    base_popen = importlib.import_module(f"{package}.{_POPEN_MODULES[method]}").Popen
+    keeps_fds = method != "fork"
+
+    class Popen(base_popen):
+        def __init__(self, process_obj):  # the stdlib's (3.7-3.13) and multiprocess's, less the flush
+            if keeps_fds:
+                self._fds = []
+            self.returncode = None
+            self.finalizer = None
+            self._launch(process_obj)
+
+    class Process(base_process):
+        @staticmethod
+        def _Popen(process_obj):
+            return Popen(process_obj)
+
+        def __reduce_ex__(self, protocol):
+            # what a spawned or fork-server child unpickles is the package's own class: it
+            # never imports this (kernel-side) module
+            return object.__new__, (base_process,), self.__dict__
+
+    return type(f"Unflushed{base_context.__name__}", (base_context,), {"Process": Process})()
 
 
 def start_with_context(mp_context, spec: WorkerSpec, payload: Any) -> WorkerHandle:

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from ...spec import WorkerSpec
-from .launcher import WorkerHandle, start_with_context
+from .launcher import WorkerHandle, start_with_context, unflushed
 
 
 class SpawnLauncher:
@@ -30,10 +30,9 @@ class SpawnLauncher:
     _owns_tracker = False
 
     def __init__(self):
-        import multiprocess
         from multiprocess import resource_tracker
 
-        self._context = multiprocess.get_context("spawn")
+        self._context = unflushed("multiprocess", "spawn")
         self._tracker = resource_tracker._resource_tracker
         self._counted = False
 
