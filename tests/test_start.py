@@ -240,7 +240,8 @@ def test_a_fork_server_child_unpickles_the_packages_own_process_class():
 
     from nbtrain.launch.starting.launcher import unflushed
 
-    process = unflushed("multiprocess", "forkserver").Process(target=exec, args=("",))
+    process = unflushed("multiprocess", "forkserver", "popen_forkserver",
+                        keeps_fds=True).Process(target=exec, args=("",))
     context.set_spawning_popen(process)  # what the process's start pickles it inside
     try:
         again = reduction.ForkingPickler.loads(reduction.ForkingPickler.dumps(process))

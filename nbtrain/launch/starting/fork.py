@@ -18,7 +18,7 @@ class ForkLauncher:
     name = "fork"
 
     def __init__(self):
-        self._context = unflushed("multiprocessing", "fork")
+        self._context = unflushed("multiprocessing", "fork", "popen_fork")
 
     def threads(self, wanted: int | None) -> int | None:
         """One thread per worker when the kernel's OpenMP pool would hang a fork."""

@@ -100,7 +100,8 @@ class ForkServerLauncher(SpawnLauncher):
 
     def __init__(self):
         super().__init__()
-        self._context = unflushed("multiprocess", "forkserver")
+        self._context = unflushed("multiprocess", "forkserver", "popen_forkserver",
+                                  keeps_fds=True)
         self._warm: tuple[str, ...] = ()  # the strategy's own imports, preloaded too
 
     def prepare(self, fn, args: tuple, kwargs: dict, strategy) -> bytes:

@@ -55,27 +55,23 @@ class Launcher(Protocol):
         """Release what the launcher holds, once the run's workers are gone."""
 
 
-_POPEN_MODULES = {"fork": "popen_fork", "forkserver": "popen_forkserver",
-                  "spawn": "popen_spawn_posix"}
-
-
 @functools.cache
-def unflushed(package: str, method: str):
+def unflushed(package: str, method: str, popen: str, keeps_fds: bool = False):
     """A context of ``package`` (``multiprocessing``, or ``multiprocess`` for the fork
-    server and spawn) for ``method`` whose processes start without its ``Popen``'s flush
-    of ``sys.stdout`` and ``sys.stderr`` first (which keeps a buffered line from being
-    written twice by a fork). In a kernel each flush is a round trip to ipykernel's IOPub
-    thread, queued behind what it has to send: 0.2-3.9 ms, two a rank. No rank writes
-    what the kernel's streams hold: it takes fds 1 and 2 and new streams as it starts
-    and ends with ``os._exit``; the run's header display flushed what the cell printed."""
+    server and spawn) for ``method`` whose processes start without the flush of
+    ``sys.stdout`` and ``sys.stderr`` that ``package.popen.Popen`` makes first (so a fork
+    writes no buffered line twice); ``keeps_fds``: that ``Popen`` lists the fds it
+    passes. In a kernel each flush is a round trip to ipykernel's IOPub thread, queued
+    behind what it has to send: 0.2-3.9 ms, two a rank. No rank writes what the
+    kernel's streams hold: it takes fds 1 and 2 and new streams as it starts and ends
+    with ``os._exit``; the run's header display flushed what the cell printed."""
     base_context = type(importlib.import_module(package).get_context(method))
     base_process = base_context.Process
-    base_popen = importlib.import_module(f"{package}.{_POPEN_MODULES[method]}").Popen
-    keeps_fds = method != "fork"
+    base_popen = importlib.import_module(f"{package}.{popen}").Popen
 
     class Popen(base_popen):
-        def __init__(self, process_obj):  # the stdlib's (3.7-3.13) and multiprocess's, less the flush
-            if keeps_fds:
+        def __init__(self, process_obj):  # the stdlib's (3.7-3.13), multiprocess's, less
+            if keeps_fds:  # the flush
                 self._fds = []
             self.returncode = None
             self.finalizer = None

@@ -32,7 +32,8 @@ class SpawnLauncher:
     def __init__(self):
         from multiprocess import resource_tracker
 
-        self._context = unflushed("multiprocess", "spawn")
+        self._context = unflushed("multiprocess", "spawn", "popen_spawn_posix",
+                                  keeps_fds=True)
         self._tracker = resource_tracker._resource_tracker
         self._counted = False
 
