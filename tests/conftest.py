@@ -135,3 +135,34 @@ def _cmd(p: psutil.Process) -> str:
         return " ".join(p.cmdline())[:120]
     except psutil.Error:
         return "?"
+
+
+@pytest.fixture
+def given_times(monkeypatch):
+    """``make(telemetry) -> (recorder, sent, clock)``: a rank's ``Recorder`` on a fake wire
+    (``sent``: the events it hands to the sender thread) reading the time from ``clock``
+    (``clock[0]``, seconds, set by the test): its steps' durations are given, not
+    measured, so a loaded machine cannot change them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from nbtrain.telemetry import recorder as recording
+
+    clock = [0.0]
+    monkeypatch.setattr(recording, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    made = []
+
+    def make(telemetry):
+        sent: list = []
+
+        class Wire:
+            send = sent.append
+
+            def flush(self, timeout=5.0):
+                return True
+
+        made.append(recording.Recorder(0, torch.device("cpu"), Wire(), telemetry))
+        return made[-1], sent, clock
+
+    yield make

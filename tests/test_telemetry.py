@@ -195,27 +195,43 @@ def test_host_resident_bytes_are_reported_apart_on_a_gpu_run():
     assert "params (host) MB" in text and "optimizer (host) MB" in text
 
 
-def sleepy_steps(ctx, steps=5):
-    """Optimizer steps without ctx.dataloader, each after 20 ms of 'work'."""
+def optimizer_steps(ctx, steps=5):
+    """Optimizer steps without ctx.dataloader."""
     import torch
 
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = ctx.setup(model, opt)
     for _ in range(steps):
-        time.sleep(0.02)
         ctx.backward(model(torch.ones(1, 2)).sum())
         opt.step()
-    time.sleep(0.2)  # after the loop: not a step
 
 
-def test_without_a_dataloader_each_optimizer_step_is_one_timed_step():
-    run = nbtrain.launch(sleepy_steps, devices=2)
+def test_without_a_dataloader_each_optimizer_step_is_one_step():
+    run = nbtrain.launch(optimizer_steps, devices=2)
     for rank in (0, 1):
         steps = run.history.events("step", rank)
         assert [e.step for e in steps] == [0, 1, 2, 3, 4]
-        durations = [e.duration for e in steps]
-        assert all(0.02 <= d < 0.2 for d in durations), durations  # none ~0, none holds the tail
+        assert all(e.duration > 0 for e in steps), steps
+
+
+def test_without_a_dataloader_a_step_runs_from_one_optimizer_step_to_the_next(given_times):
+    """Step 0 from ``ctx.setup`` to the first optimizer step, each next one to the next;
+    what the function does after its last (gathering, evaluating) is in no step."""
+    import torch
+
+    recorder, sent, clock = given_times(nbtrain.Telemetry(timing=False, comm=False,
+                                                          memory_every=0))
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder.watch(model, [opt])  # at 0
+    for at in (0.5, 1.0, 2.0, 2.25, 3.0):
+        clock[0] = at
+        opt.step()
+    clock[0] = 60.0  # the tail after the loop
+    recorder.close()
+    assert [(e.step, e.duration) for e in sent if isinstance(e, Step)] == [
+        (0, 0.5), (1, 0.5), (2, 1.0), (3, 0.25), (4, 0.75)]
 
 
 def test_the_summary_shows_the_bytes_a_step_really_moves():
@@ -248,23 +264,13 @@ def test_the_summary_shows_the_bytes_a_step_really_moves():
                                                                        "bytes": mb}}
 
 
-def test_identical_steps_travel_as_one_comm_event():
+def test_identical_steps_travel_as_one_comm_event(given_times):
     """A tiny step's third event was most of what telemetry cost it on the wire: a rank
     sends one ``Comm`` for a run of consecutive steps with the same collectives, which
     ends at a different step, a gap, ``COMM_EVERY_S``, a checkpoint or the end."""
-    import torch
+    from nbtrain.telemetry.recorder import COMM_EVERY_S
 
-    from nbtrain.telemetry.recorder import COMM_EVERY_S, Recorder
-
-    sent: list = []
-
-    class Wire:  # what the recorder hands to the sender thread
-        send = sent.append
-
-        def flush(self, timeout=5.0):
-            return True
-
-    recorder = Recorder(0, torch.device("cpu"), Wire(), nbtrain.Telemetry(timing=False))
+    recorder, sent, _ = given_times(nbtrain.Telemetry(timing=False))
 
     def step(n, t, calls=1, size=64):
         recorder._count(n, t, {"all_reduce": calls}, {"all_reduce": size})
