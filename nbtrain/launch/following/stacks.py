@@ -108,9 +108,13 @@ def _in_rank_code(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_RANK_DIR + os.sep)
 
 
-_LIBRARY_DIRS = tuple({os.path.abspath(p) + os.sep for key in ("stdlib", "platstdlib",
-                                                              "purelib", "platlib")
-                       if (p := sysconfig.get_paths().get(key))} | {_PACKAGE_DIR + os.sep})
+def _dirs(*keys: str) -> tuple[str, ...]:
+    return tuple({os.path.abspath(p) + os.sep for key in keys
+                  if (p := sysconfig.get_paths().get(key))})
+
+
+_STDLIB_DIRS = _dirs("stdlib", "platstdlib")
+_LIBRARY_DIRS = (*_STDLIB_DIRS, *_dirs("purelib", "platlib"), _PACKAGE_DIR + os.sep)
 
 
 _INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")  # dist-: Debian's (Colab's)
@@ -118,10 +122,6 @@ _INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")  # dist-: Debian's (C
 
 def _ours(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
-
-
-_STDLIB_DIRS = tuple({os.path.abspath(p) + os.sep for key in ("stdlib", "platstdlib")
-                      if (p := sysconfig.get_paths().get(key))})
 
 
 def _standard(filename: str) -> bool:
