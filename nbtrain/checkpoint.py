@@ -27,6 +27,7 @@ re-calibrates within a few steps).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import warnings
@@ -84,7 +85,8 @@ def save(path: str | os.PathLike, state: Mapping[str, Any], *, full: bool = Fals
         _barrier()
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(data, checkpoint_id=tmp, no_dist=not _distributed())
+        with _in_one_process_quietly():
+            dcp.save(data, checkpoint_id=tmp, no_dist=not _distributed())
     else:
         data = {key: _state_dict(kind, obj, model, full=True)
                 for key, kind, obj, model in entries}
@@ -114,9 +116,7 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
         import torch.distributed.checkpoint as dcp
 
         data = {key: _state_dict(kind, obj, model) for key, kind, obj, model in entries}
-        with warnings.catch_warnings():  # loading in the notebook, without a process group,
-            # is what no_dist=True asks for; DCP still warns that it assumes so
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        with _in_one_process_quietly():
             dcp.load(data, checkpoint_id=path, no_dist=not _distributed())
     else:
         # Memory-mapped: each rank reads only what it copies, its shards.
@@ -139,6 +139,15 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
 # -- helpers ------------------------------------------------------------------------
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _in_one_process_quietly():
+    """Saving or loading in the notebook, without a process group, is what
+    ``no_dist=True`` asks DCP for; DCP still warns, on every call, that it assumes so."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        yield
 
 
 def _barrier() -> None:

@@ -4,6 +4,7 @@ in this process, and an interrupted run in a real kernel resumed with launch(res
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -90,6 +91,17 @@ def test_a_scheduler_is_loaded_in_place(tmp_path, full):
     assert state["scheduler"] is sched and sched.last_epoch == 3
     sched.step()
     assert opt.param_groups[0]["lr"] == 0.5 ** 4
+
+
+def test_saving_and_loading_in_the_notebook_warns_of_nothing(tmp_path):
+    """In one process (the kernel) a sharded checkpoint is what DCP's no_dist asks for:
+    torch's warning that it 'assumes' one process would show under every save."""
+    model = Deep()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint.save(tmp_path / "c", {"model": model})
+        checkpoint.load(tmp_path / "c", {"model": Deep()})
+    assert [str(w.message) for w in caught] == []
 
 
 def test_checkpoint_arguments(tmp_path):
